@@ -1,0 +1,26 @@
+--[[ init_producer: give a named producer its PID and a new epoch (fencing older instances).
+
+KEYS[1]  the named producer's hash {pid, epoch}    <ns>:{<ns>}:producer:<name>
+KEYS[2]  the namespace's PID counter               <ns>:{<ns>}:pid-counter
+KEYS[3]  the set of topics this name has written   <ns>:{<ns>}:producer:<name>:topics
+ARGV[1]  registry_ttl_ms: expiry of both hashes, refreshed at every start and topic registration
+
+The caller then fences every partition of every topic in the returned set (fence_producer.lua),
+so an older instance is refused on every partition it may still write to.
+
+Returns {pid, epoch, topic_1, ..., topic_n}.
+Error replies: none of its own.
+]]
+local pid = redis.call('HGET', KEYS[1], 'pid')
+if not pid then
+  pid = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[1], 'pid', pid)
+end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
+local result = {tonumber(pid), epoch}
+for _, topic in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  result[#result + 1] = topic
+end
+return result

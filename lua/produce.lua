@@ -1,0 +1,34 @@
+--[[ produce: append one batch without idempotence (at-least-once; a retry may duplicate).
+
+KEYS[1]  partition stream              <ns>:{<topic>:<p>}:log
+ARGV[1]  producer id (PID), stored with each entry (empty: none)
+ARGV[2]  maxlen retention (0: none)
+ARGV[3]  retention_ms (0: none)
+ARGV[4]  layout letters of the per-message arguments (see includes/append.lua)
+ARGV[5]  number of messages
+ARGV[6...] the messages, #layout arguments each
+
+Returns {"OK", first_id}: message i of the batch has ID <ms>-<seq + i> of first_id.
+Error replies
+  TOPIC_NOT_FOUND   the partition stream does not exist
+]]
+-- #include includes/append.lua
+
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return redis.error_reply('TOPIC_NOT_FOUND')
+end
+
+local producer_id = ARGV[1]
+if producer_id == '' then
+  producer_id = nil
+end
+local layout = ARGV[4]
+local letters = layout_letters_of(layout)
+local stride = #layout
+local count = tonumber(ARGV[5])
+local appender = new_appender(KEYS[1])
+for i = 0, count - 1 do
+  appender.add(message_fields(letters, stride, 6 + i * stride, producer_id, nil))
+end
+trim_retention(KEYS[1], appender.last, tonumber(ARGV[2]), tonumber(ARGV[3]))
+return {'OK', appender.first}

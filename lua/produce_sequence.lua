@@ -1,0 +1,95 @@
+--[[ produce_sequence: append one batch of an idempotent producer (PID + sequence numbers).
+
+KEYS[1]  partition stream                              <ns>:{<topic>:<p>}:log
+KEYS[2]  producer state of (partition, PID), a hash     <ns>:{<topic>:<p>}:pid:<pid>
+ARGV[1]  producer id (PID)
+ARGV[2]  epoch of the producer
+ARGV[3]  base sequence of the batch
+ARGV[4]  number of messages in the batch
+ARGV[5]  acked_next: the sequence after the producer's last acknowledged batch on this partition
+         (used only when the broker holds no state for this PID and epoch)
+ARGV[6]  window: how many recent batches (with their stream IDs) to remember
+ARGV[7]  state_ttl_ms: expiry of the state key, refreshed on every write
+ARGV[8]  maxlen retention (0: none)
+ARGV[9]  retention_ms (0: none)
+ARGV[10] layout letters of the per-message arguments (see includes/append.lua)
+ARGV[11...] the messages, #layout arguments each
+
+State hash fields: epoch, next (next expected sequence), nb (batches written),
+w<slot> = "<base>:<count>:<first stream ID>" for the last `window` batches.
+
+Returns
+  {"OK", first_id}    appended; message i of the batch has ID <ms>-<seq + i> of first_id
+  {"DUP", first_id}   the batch was already written inside the window: nothing written
+  {"DUP"}             an older duplicate: nothing written, offset unknown
+Error replies
+  TOPIC_NOT_FOUND                       the partition stream does not exist
+  PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this PID exists
+  OUT_OF_ORDER expected=<n>             a gap: nothing written, re-send from sequence n
+]]
+-- #include includes/append.lua
+
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return redis.error_reply('TOPIC_NOT_FOUND')
+end
+
+local epoch = tonumber(ARGV[2])
+local base = tonumber(ARGV[3])
+local count = tonumber(ARGV[4])
+local window = tonumber(ARGV[6])
+
+local state = redis.call('HMGET', KEYS[2], 'epoch', 'next', 'nb')
+local stored_epoch = tonumber(state[1])
+local next_seq, batches
+if stored_epoch and epoch < stored_epoch then
+  return redis.error_reply('PRODUCER_FENCED stored=' .. stored_epoch .. ' got=' .. epoch)
+end
+if stored_epoch == epoch and state[2] then
+  next_seq = tonumber(state[2])
+  batches = tonumber(state[3]) or 0
+else
+  -- No state for this PID and epoch: it expired, or a new epoch arrives where no fence reached.
+  -- Everything before acked_next was acknowledged, so accepting acked_next opens no gap.
+  if stored_epoch then
+    redis.call('DEL', KEYS[2])
+  end
+  next_seq = tonumber(ARGV[5])
+  batches = 0
+end
+
+if base < next_seq then
+  local slots = {}
+  for slot = 0, window - 1 do
+    slots[slot + 1] = 'w' .. slot
+  end
+  local remembered = redis.call('HMGET', KEYS[2], unpack(slots))
+  for _, entry in ipairs(remembered) do
+    if entry then
+      local wbase, wcount, wfirst = string.match(entry, '^(%d+):(%d+):(.+)$')
+      if tonumber(wbase) == base and tonumber(wcount) == count then
+        return {'DUP', wfirst}
+      end
+    end
+  end
+  return {'DUP'}
+end
+if base > next_seq then
+  return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', next_seq))
+end
+
+local layout = ARGV[10]
+local letters = layout_letters_of(layout)
+local stride = #layout
+local appender = new_appender(KEYS[1])
+for i = 0, count - 1 do
+  appender.add(message_fields(letters, stride, 11 + i * stride, ARGV[1], base + i))
+end
+
+redis.call('HSET', KEYS[2],
+  'epoch', ARGV[2],
+  'next', string.format('%.0f', base + count),
+  'nb', batches + 1,
+  'w' .. (batches % window), ARGV[3] .. ':' .. ARGV[4] .. ':' .. appender.first)
+redis.call('PEXPIRE', KEYS[2], ARGV[7])
+trim_retention(KEYS[1], appender.last, tonumber(ARGV[8]), tonumber(ARGV[9]))
+return {'OK', appender.first}

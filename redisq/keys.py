@@ -1,0 +1,106 @@
+"""Every Redis key redisq uses is named here, and nowhere else.
+
+Two kinds of keys:
+
+* Namespace keys (topic registry, topic metadata, the producer-id counter, named producers,
+  Snowflake worker leases, group registries) share the hash tag ``{<ns>}``, so the scripts that
+  touch several of them stay in one Redis Cluster slot.
+* Partition keys (the stream, producer state, message-id dedup buckets, leases) share the hash tag
+  ``{<topic>:<partition>}``, so one script call can check and append atomically in one slot.
+
+Lua scripts never build key names: every key they touch arrives in KEYS, built by this module.
+"""
+
+from __future__ import annotations
+
+import re
+
+from redisq.errors import InvalidName
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def validate_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise InvalidName(
+            f"invalid namespace {namespace!r}: 1-64 characters from A-Z a-z 0-9 _ -"
+        )
+    return namespace
+
+
+def validate_topic(topic: object) -> str:
+    if not isinstance(topic, str) or not _TOPIC_RE.match(topic):
+        raise InvalidName(
+            f"invalid topic name {topic!r}: 1-200 characters from A-Z a-z 0-9 . _ -"
+        )
+    return topic
+
+
+def validate_name(kind: str, name: object) -> str:
+    """Producer names, group names and consumer names follow the topic-name rules."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidName(f"invalid {kind} name {name!r}: 1-200 characters from A-Z a-z 0-9 . _ -")
+    return name
+
+
+class KeySpace:
+    """Builds the key names of one namespace."""
+
+    def __init__(self, namespace: str = "rq") -> None:
+        self.namespace = validate_namespace(namespace)
+        self._global = f"{namespace}:{{{namespace}}}"
+
+    # -- namespace keys (hash tag {<ns>}) ------------------------------------------------
+    def topics(self) -> str:
+        """SET of topic names."""
+        return f"{self._global}:topics"
+
+    def topic_meta(self, topic: str) -> str:
+        """HASH of a topic's metadata (partitions, retention, dedup window, ...)."""
+        return f"{self._global}:topic:{topic}"
+
+    def producer_id_counter(self) -> str:
+        """INCR counter that hands out producer ids (PIDs)."""
+        return f"{self._global}:pid-counter"
+
+    def named_producer(self, name: str) -> str:
+        """HASH {pid, epoch} of a named producer."""
+        return f"{self._global}:producer:{name}"
+
+    def named_producer_topics(self, name: str) -> str:
+        """SET of the topics a named producer has written to, fenced on the next start."""
+        return f"{self._global}:producer:{name}:topics"
+
+    def worker_id_counter(self) -> str:
+        """INCR counter used to pick candidate Snowflake worker ids."""
+        return f"{self._global}:worker-counter"
+
+    def worker_id_lease(self, worker_id: int) -> str:
+        """STRING lease (token, PX ttl) on one Snowflake worker id."""
+        return f"{self._global}:worker:{worker_id}"
+
+    def pattern(self) -> str:
+        """SCAN pattern of every key of the namespace."""
+        return f"{self.namespace}:*"
+
+    # -- partition keys (hash tag {<topic>:<partition>}) -----------------------------------
+    def _partition(self, topic: str, partition: int) -> str:
+        return f"{self.namespace}:{{{topic}:{partition}}}"
+
+    def log(self, topic: str, partition: int) -> str:
+        """STREAM: the partition itself; stream IDs are the offsets."""
+        return f"{self._partition(topic, partition)}:log"
+
+    def producer_state(self, topic: str, partition: int, producer_id: int) -> str:
+        """HASH per (partition, PID): epoch, next sequence, window of recent batches."""
+        return f"{self._partition(topic, partition)}:pid:{producer_id}"
+
+    def dedup_bucket(self, topic: str, partition: int, bucket: int) -> str:
+        """HASH message id -> stream ID, for one time slice of the dedup window."""
+        return f"{self._partition(topic, partition)}:dedup:{bucket}"
+
+    def partition_pattern(self, topic: str, partition: int) -> str:
+        """SCAN pattern of every key of one partition."""
+        return f"{self._partition(topic, partition)}:*"

@@ -1,0 +1,795 @@
+"""The producer: batching, ordering and idempotence on top of the produce_* Lua scripts.
+
+Messages are collected per partition into batches. A batch is sealed (given its base sequence
+and frozen) when it is full, when its linger time has passed, or on flush/send. A background
+sender thread sends every partition's first `max_in_flight` unacknowledged batches in one
+pipeline per round, so several batches per partition are in flight at once, in order on one
+connection. Anything not acknowledged (connection error, timeout, OUT_OF_ORDER after a lost
+batch, NOSCRIPT after a restart) is sent again, the very same batch with the same sequences,
+until it is acknowledged or delivery_timeout_ms runs out. The broker-side window turns a
+re-sent batch that had been written into a duplicate answer carrying its original offsets.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from redisq import errors
+from redisq.errors import (
+    DeliveryTimeout,
+    InvalidConfig,
+    MessageTooLarge,
+    NotEnoughReplicas,
+    ProducerClosed,
+    ProducerFenced,
+    RedisqError,
+    UnsupportedServer,
+)
+from redisq.keys import validate_name
+from redisq.partitioner import Selector, StickyPartitioner, partition_for_key
+from redisq.records import RecordMetadata, encode_headers, offset_at
+
+if TYPE_CHECKING:
+    from redisq.broker import Broker, TopicConfig
+    from redisq.snowflake import SnowflakeGenerator
+
+log = logging.getLogger("redisq.producer")
+
+IDEMPOTENCE_MODES = ("sequence", "message_id", None)
+ACKS = ("leader", "replicas", "fsync")
+REGISTRY_TTL_MS = 7 * 24 * 3600 * 1000
+
+# Error replies after which the script did not run (or ran with no effect): send again.
+_RETRIABLE_REPLIES = (
+    "NOSCRIPT",
+    "OOM",
+    "BUSY",
+    "LOADING",
+    "READONLY",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "NOREPLICAS",
+    "MOVED",
+    "ASK",
+)
+
+
+def _as_bytes(what: str, value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes or str, not {type(value).__name__}")
+
+
+class _Batch:
+    """Messages for one partition. Frozen once sealed: a retry re-sends exactly these."""
+
+    __slots__ = (
+        "topic",
+        "partition",
+        "layout",
+        "args",
+        "count",
+        "nbytes",
+        "base_seq",
+        "created",
+        "sealed",
+        "done",
+        "first_id",
+        "ids",
+        "dup_flags",
+        "duplicate",
+        "error",
+        "callbacks",
+    )
+
+    def __init__(self, topic: str, partition: int, layout: str) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.layout = layout
+        self.args: list[bytes] = []
+        self.count = 0
+        self.nbytes = 0
+        self.base_seq = -1
+        self.created = time.monotonic()
+        self.sealed = False
+        self.done = threading.Event()
+        self.first_id: str | None = None
+        self.ids: list[str] | None = None
+        self.dup_flags: str | None = None
+        self.duplicate = False
+        self.error: BaseException | None = None
+        self.callbacks: list[Callable[[SendFuture], None]] | None = None
+
+    def metadata(self, index: int) -> RecordMetadata:
+        if self.ids is not None:  # message_id mode: one answer per message
+            duplicate = self.dup_flags is not None and self.dup_flags[index] == "1"
+            return RecordMetadata(self.topic, self.partition, self.ids[index], duplicate)
+        offset = offset_at(self.first_id, index) if self.first_id else None
+        return RecordMetadata(self.topic, self.partition, offset, self.duplicate)
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.callbacks:
+            for index, callback in self.callbacks:  # type: ignore[misc]
+                try:
+                    callback(SendFuture(self, index))
+                except Exception:  # a user's callback must not stop the sender
+                    log.exception("send callback raised")
+
+
+class SendFuture:
+    """The result of send_async(): result() blocks until the message is acknowledged."""
+
+    __slots__ = ("_batch", "_index")
+
+    def __init__(self, batch: _Batch, index: int) -> None:
+        self._batch = batch
+        self._index = index
+
+    def done(self) -> bool:
+        return self._batch.done.is_set()
+
+    def result(self, timeout: float | None = None) -> RecordMetadata:
+        if not self._batch.done.wait(timeout):
+            raise TimeoutError(f"no acknowledgement within {timeout} s")
+        if self._batch.error is not None:
+            raise self._batch.error
+        return self._batch.metadata(self._index)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._batch.done.wait(timeout):
+            raise TimeoutError(f"no acknowledgement within {timeout} s")
+        return self._batch.error
+
+    def add_done_callback(self, callback: Callable[[SendFuture], None]) -> None:
+        batch = self._batch
+        if batch.done.is_set():
+            callback(self)
+            return
+        if batch.callbacks is None:
+            batch.callbacks = []
+        batch.callbacks.append((self._index, callback))  # type: ignore[arg-type]
+
+
+@dataclass
+class _PartitionState:
+    """Producer-side sequence bookkeeping of one partition."""
+
+    next_seq: int = 0  # base sequence of the next sealed batch
+    acked_next: int = 0  # the sequence after the last acknowledged batch
+    open: _Batch | None = None
+    unacked: deque[_Batch] = field(default_factory=deque)
+
+
+class Producer:
+    """Sends messages to topics; see DESIGN §3.
+
+    idempotence:
+      "sequence"   (default) PID + per-partition sequence numbers checked by the broker; a re-sent
+                   batch is never written twice; named producers fence older instances.
+      "message_id" every message carries an id (yours, or a generated Snowflake id); the broker
+                   writes an id once per dedup window; the id routes the message when it has no key.
+      None         plain appends: a retry after a lost reply may write a message twice.
+    acks: "leader" (the script returned), "replicas" (WAIT min_replicas after the write, on the
+      same connection), "fsync" (WAITAOF 1 0: the leader's AOF is fsynced; Redis >= 7.2).
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        name: str | None = None,
+        *,
+        idempotence: str | None = "sequence",
+        acks: str = "leader",
+        linger_ms: float = 5.0,
+        max_batch_messages: int = 500,
+        max_batch_bytes: int = 1 << 20,
+        max_in_flight: int = 5,
+        window: int = 16,
+        max_message_bytes: int = 1 << 20,
+        delivery_timeout_ms: int = 120_000,
+        retry_backoff_ms: int = 50,
+        max_buffered_messages: int = 100_000,
+        max_block_ms: int = 60_000,
+        min_replicas: int = 1,
+        ack_timeout_ms: int = 1_000,
+        partitioner: Selector | None = None,
+    ) -> None:
+        if idempotence not in IDEMPOTENCE_MODES:
+            raise InvalidConfig(f"idempotence={idempotence!r}: choose one of {IDEMPOTENCE_MODES}")
+        if acks not in ACKS:
+            raise InvalidConfig(f"acks={acks!r}: choose one of {ACKS}")
+        if name is not None:
+            validate_name("producer", name)
+        _check_range("linger_ms", linger_ms, 0, 60_000)
+        _check_range("max_batch_messages", max_batch_messages, 1, 10_000)
+        _check_range("max_batch_bytes", max_batch_bytes, 1024, 64 << 20)
+        _check_range("max_in_flight", max_in_flight, 1, 100)
+        _check_range("window", window, 1, 1000)
+        _check_range("max_message_bytes", max_message_bytes, 1, 512 << 20)
+        _check_range("delivery_timeout_ms", delivery_timeout_ms, 100, 24 * 3600 * 1000)
+        _check_range("retry_backoff_ms", retry_backoff_ms, 1, 60_000)
+        _check_range("max_buffered_messages", max_buffered_messages, 1, 100_000_000)
+        _check_range("min_replicas", min_replicas, 1, 100)
+        _check_range("ack_timeout_ms", ack_timeout_ms, 0, 3_600_000)
+        if idempotence == "sequence" and window < max_in_flight:
+            raise InvalidConfig(
+                f"window={window} must be >= max_in_flight={max_in_flight}: a re-sent batch must "
+                "still be in the broker's window"
+            )
+        if partitioner is not None and not callable(partitioner):
+            raise TypeError(f"partitioner must be callable, not {type(partitioner).__name__}")
+
+        self.broker = broker
+        self.name = name
+        self.idempotence = idempotence
+        self.acks = acks
+        self.linger_s = linger_ms / 1000
+        self.max_batch_messages = max_batch_messages
+        self.max_batch_bytes = max_batch_bytes
+        # message_id mode has no gap detection at the broker: one batch in flight per partition
+        # keeps the order when a batch fails and a later one would have succeeded.
+        self.max_in_flight = max_in_flight if idempotence == "sequence" else 1
+        self.window = window
+        self.max_message_bytes = max_message_bytes
+        self.delivery_timeout_s = delivery_timeout_ms / 1000
+        self.retry_backoff_s = retry_backoff_ms / 1000
+        self.max_buffered_messages = max_buffered_messages
+        self.max_block_s = max_block_ms / 1000
+        self.min_replicas = min_replicas
+        self.ack_timeout_ms = ack_timeout_ms
+        self._selector = partitioner
+        self._sticky = StickyPartitioner()
+
+        self._keys = broker.keys
+        self._scripts = broker.scripts
+        self._client = broker.client
+        self._cond = threading.Condition()
+        self._partitions: dict[tuple[str, int], _PartitionState] = {}
+        self._topics: dict[str, TopicConfig] = {}
+        self._registered_topics: set[str] = set()
+        self._buffered = 0
+        self._flush_requested = False
+        self._closing = False
+        self._closed = False
+        self._fatal: BaseException | None = None
+
+        self._check_acks_supported()
+        self.producer_id = 0
+        self.epoch = 0
+        self._init_identity()
+        self._ids: SnowflakeGenerator | None = None
+        if idempotence == "message_id":
+            from redisq.snowflake import SnowflakeGenerator
+
+            self._ids = SnowflakeGenerator(self._client, self._keys, self._scripts)
+        self._sender = threading.Thread(target=self._run, name="redisq-sender", daemon=True)
+        self._sender.start()
+
+    def __repr__(self) -> str:
+        return (
+            f"<redisq.Producer name={self.name!r} pid={self.producer_id} epoch={self.epoch} "
+            f"idempotence={self.idempotence!r} acks={self.acks!r}>"
+        )
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close()
+
+    # -- identity and fencing ------------------------------------------------------------------
+    def _check_acks_supported(self) -> None:
+        if self.acks == "fsync":
+            try:
+                info = self._client.command_info("WAITAOF") if not self.broker.is_cluster else None
+            except redis.ResponseError:
+                info = None
+            if not info and not self.broker.is_cluster:
+                raise UnsupportedServer(
+                    f'acks="fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8); {self.broker.server} '
+                    "does not have it"
+                )
+        if self.acks in ("replicas", "fsync") and self.broker.is_cluster:
+            raise UnsupportedServer(
+                f'acks="{self.acks}" is not supported on Redis Cluster yet; use acks="leader"'
+            )
+
+    def _init_identity(self) -> None:
+        """PID (and epoch) from Redis; a named producer fences its older instances now."""
+        if self.name is None:
+            self.producer_id = int(self._client.incr(self._keys.producer_id_counter()))
+            self.epoch = 0
+            return
+        reply = self._scripts.call(
+            "init_producer",
+            [
+                self._keys.named_producer(self.name),
+                self._keys.producer_id_counter(),
+                self._keys.named_producer_topics(self.name),
+            ],
+            [REGISTRY_TTL_MS],
+        )
+        self.producer_id, self.epoch = int(reply[0]), int(reply[1])
+        topics = [t.decode() for t in reply[2:]]
+        if self.idempotence == "sequence":
+            self._fence_topics(topics)
+        log.info("producer %s: pid %d epoch %d", self.name, self.producer_id, self.epoch)
+
+    def _fence_topics(self, topics: list[str]) -> None:
+        """Raise the stored epoch on every partition of topics an older instance wrote to."""
+        for topic in topics:
+            try:
+                config = self.broker.topic_config(topic, refresh=True)
+            except errors.TopicNotFound:
+                continue
+            for p in range(config.partitions):
+                self._scripts.call(
+                    "fence_producer",
+                    [self._keys.producer_state(topic, p, self.producer_id)],
+                    [self.epoch, config.state_ttl_ms],
+                    topic=topic,
+                )
+
+    def _topic(self, topic: str) -> TopicConfig:
+        config = self._topics.get(topic)
+        if config is None:
+            config = self.broker.topic_config(topic)
+            if self.name is not None and self.idempotence == "sequence":
+                self._register_topic(topic)
+            self._topics[topic] = config
+        return config
+
+    def _register_topic(self, topic: str) -> None:
+        if topic in self._registered_topics:
+            return
+        name = self.name or ""
+        try:
+            self._scripts.call(
+                "register_producer_topic",
+                [self._keys.named_producer(name), self._keys.named_producer_topics(name)],
+                [self.epoch, topic, REGISTRY_TTL_MS],
+                topic=topic,
+            )
+        except ProducerFenced as exc:
+            self._fatal = exc
+            raise
+        self._registered_topics.add(topic)
+
+    # -- sending -------------------------------------------------------------------------------
+    def send_async(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None,
+        partition: int | None = None,
+    ) -> SendFuture:
+        """Queue a message; the returned future's result() is its RecordMetadata.
+
+        Raises at once (and queues nothing) on bad input: TypeError for a value, key or header
+        of the wrong type, MessageTooLarge, TopicNotFound, PartitionOutOfRange.
+        """
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closing:
+            raise ProducerClosed("send after close()")
+        value_b = _as_bytes("value", value)
+        key_b = None if key is None else _as_bytes("key", key)
+        if key_b == b"":
+            raise ValueError("key must not be empty; use key=None for a message without a key")
+        headers_b = encode_headers(headers) if headers else b""
+        size = len(value_b) + (len(key_b) if key_b else 0) + len(headers_b)
+        if size > self.max_message_bytes:
+            raise MessageTooLarge(size, self.max_message_bytes)
+        config = self._topic(topic)
+
+        mid: bytes | None
+        if message_id is not None:
+            mid = str(message_id).encode() if isinstance(message_id, int) else _as_bytes(
+                "message_id", message_id
+            )
+            if not mid:
+                raise ValueError("message_id must not be empty")
+        elif self._ids is not None:
+            mid = str(self._ids.next_id()).encode()
+        else:
+            mid = None
+
+        if partition is not None:
+            partition = self.broker.check_partition(topic, partition)
+        elif self._selector is not None:
+            partition = self._selector(topic, key_b, value_b, config.partitions)
+            if not isinstance(partition, int) or not 0 <= partition < config.partitions:
+                raise errors.PartitionOutOfRange(topic, partition, config.partitions)
+        elif key_b is not None:
+            partition = partition_for_key(key_b, config.partitions)
+        elif mid is not None and self.idempotence == "message_id":
+            partition = partition_for_key(mid, config.partitions)  # the id's dedup scope
+        else:
+            partition = self._sticky.partition(topic, config.partitions)
+
+        layout = ("k" if key_b else "") + "v" + ("h" if headers_b else "") + ("m" if mid else "")
+        if self.idempotence == "message_id" and "m" not in layout:  # pragma: no cover
+            raise AssertionError("message_id mode without an id")
+
+        with self._cond:
+            if self._buffered >= self.max_buffered_messages:
+                deadline = time.monotonic() + self.max_block_s
+                while self._buffered >= self.max_buffered_messages and self._fatal is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise errors.RedisqError(
+                            f"buffer full ({self.max_buffered_messages} messages) for "
+                            f"max_block_ms={int(self.max_block_s * 1000)}"
+                        )
+                    self._cond.wait(remaining)
+                if self._fatal is not None:
+                    raise self._fatal
+            state = self._partitions.get((topic, partition))
+            if state is None:
+                state = self._partitions[(topic, partition)] = _PartitionState()
+            batch = state.open
+            if batch is not None and (
+                batch.layout != layout
+                or batch.count >= self.max_batch_messages
+                or batch.nbytes + size > self.max_batch_bytes
+            ):
+                self._seal(state, config.partitions)
+                batch = None
+            if batch is None:
+                batch = state.open = _Batch(topic, partition, layout)
+                self._cond.notify()  # start the linger clock
+            args = batch.args
+            if key_b:
+                args.append(key_b)
+            args.append(value_b)
+            if headers_b:
+                args.append(headers_b)
+            if mid:
+                args.append(mid)
+            index = batch.count
+            batch.count += 1
+            batch.nbytes += size
+            self._buffered += 1
+            if batch.count >= self.max_batch_messages:
+                self._seal(state, config.partitions)
+        return SendFuture(batch, index)
+
+    def send(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None,
+        partition: int | None = None,
+        timeout: float | None = None,
+    ) -> RecordMetadata:
+        """Send one message and block until it is acknowledged (no linger)."""
+        future = self.send_async(topic, value, key, headers, message_id, partition)
+        with self._cond:
+            state = self._partitions[(topic, future._batch.partition)]
+            if state.open is future._batch:
+                self._seal(state, self._topics[topic].partitions)
+        return future.result(timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send everything buffered now and wait until all of it is acknowledged or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._flush_requested = True
+            self._cond.notify_all()
+            while self._buffered > 0 and self._sender.is_alive():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"flush: {self._buffered} messages still unacknowledged")
+                self._cond.wait(remaining if remaining is not None else 0.5)
+            self._flush_requested = False
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the sender thread and release the Snowflake worker id."""
+        if self._closed:
+            return
+        try:
+            if self._fatal is None:
+                self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._sender.join(timeout=5)
+            if self._ids is not None:
+                self._ids.close()
+            self._closed = True
+
+    # -- the sender thread ---------------------------------------------------------------------
+    def _seal(self, state: _PartitionState, partitions: int) -> None:
+        """Freeze the open batch and give it its base sequence (lock held)."""
+        batch = state.open
+        if batch is None:
+            return
+        state.open = None
+        batch.sealed = True
+        batch.base_seq = state.next_seq
+        state.next_seq += batch.count
+        state.unacked.append(batch)
+        self._sticky.batch_sealed(batch.topic, batch.partition, partitions)
+        self._cond.notify_all()
+
+    def _seal_due(self, now: float) -> float | None:
+        """Seal open batches whose linger ran out (or all, on flush); return the next deadline."""
+        next_deadline = None
+        for (topic, _), state in self._partitions.items():
+            batch = state.open
+            if batch is None:
+                continue
+            due = batch.created + self.linger_s
+            if self._flush_requested or self._closing or due <= now:
+                self._seal(state, self._topics[topic].partitions)
+            elif next_deadline is None or due < next_deadline:
+                next_deadline = due
+        return next_deadline
+
+    def _run(self) -> None:
+        backoff = self.retry_backoff_s
+        while True:
+            with self._cond:
+                while True:
+                    next_deadline = self._seal_due(time.monotonic())
+                    if any(s.unacked for s in self._partitions.values()):
+                        break
+                    if self._closing:
+                        return
+                    timeout = None if next_deadline is None else max(0.0, next_deadline - time.monotonic())
+                    self._cond.wait(timeout if timeout is not None else 1.0)
+                work = [
+                    batch
+                    for state in self._partitions.values()
+                    for batch in list(state.unacked)[: self.max_in_flight]
+                ]
+            try:
+                progress, retry = self._send_round(work)
+            except Exception as exc:  # never let the sender die silently
+                log.exception("sender round failed")
+                progress, retry = False, True
+                self._expire_or_fail(exc)
+            if retry and not progress:
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 1.0)
+            elif not retry:
+                backoff = self.retry_backoff_s
+
+    def _send_round(self, work: list[_Batch]) -> tuple[bool, bool]:
+        """One pipeline with every batch of the round; returns (progress made, retry needed)."""
+        pipe = self._client.pipeline(transaction=False)
+        for batch in work:
+            self._queue_batch(pipe, batch)
+        if self.acks == "replicas":
+            pipe.execute_command("WAIT", self.min_replicas, self.ack_timeout_ms)
+        elif self.acks == "fsync":
+            pipe.execute_command("WAITAOF", 1, 0, self.ack_timeout_ms)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("send round of %d batches: %s; will retry", len(work), type(exc).__name__)
+            self._expire_or_fail(exc)
+            return False, True
+        finally:
+            pipe.reset()
+
+        durable_error: BaseException | None = None
+        if self.acks != "leader":
+            durable = replies.pop()
+            count = durable[0] if isinstance(durable, list) else durable
+            if isinstance(durable, Exception):
+                durable_error = durable
+            elif int(count) < self.min_replicas if self.acks == "replicas" else int(count) < 1:
+                durable_error = NotEnoughReplicas(
+                    f"acks={self.acks}: {count} acknowledged within {self.ack_timeout_ms} ms"
+                )
+        progress = retry = False
+        with self._cond:
+            for batch, reply in zip(work, replies, strict=True):
+                if isinstance(reply, Exception):
+                    retry |= self._handle_error(batch, reply)
+                elif durable_error is not None:
+                    retry = True  # written but not yet durable: the retry is answered as DUP
+                else:
+                    self._complete(batch, reply)
+                    progress = True
+            if durable_error is not None:
+                self._expire_or_fail(durable_error, locked=True)
+            self._cond.notify_all()
+        return progress, retry
+
+    def _queue_batch(self, pipe: Any, batch: _Batch) -> None:
+        topic, p = batch.topic, batch.partition
+        config = self._topics[topic]
+        log_key = self._keys.log(topic, p)
+        if self.idempotence == "sequence":
+            state = self._partitions[(topic, p)]
+            self._scripts.queue(
+                pipe,
+                "produce_sequence",
+                [log_key, self._keys.producer_state(topic, p, self.producer_id)],
+                [
+                    self.producer_id,
+                    self.epoch,
+                    batch.base_seq,
+                    batch.count,
+                    state.acked_next,
+                    self.window,
+                    config.state_ttl_ms,
+                    config.retention_messages,
+                    config.retention_ms,
+                    batch.layout,
+                    *batch.args,
+                ],
+            )
+        elif self.idempotence == "message_id":
+            window = config.dedup_window_ms
+            now_ms = int(time.time() * 1000)
+            bucket = now_ms // window
+            expire_ms = (bucket + 2) * window - now_ms + 1000
+            self._scripts.queue(
+                pipe,
+                "produce_message_id",
+                [
+                    log_key,
+                    self._keys.dedup_bucket(topic, p, bucket),
+                    self._keys.dedup_bucket(topic, p, bucket - 1),
+                ],
+                [
+                    self.producer_id,
+                    expire_ms,
+                    config.retention_messages,
+                    config.retention_ms,
+                    batch.layout,
+                    batch.count,
+                    *batch.args,
+                ],
+            )
+        else:
+            self._scripts.queue(
+                pipe,
+                "produce",
+                [log_key],
+                [
+                    self.producer_id,
+                    config.retention_messages,
+                    config.retention_ms,
+                    batch.layout,
+                    batch.count,
+                    *batch.args,
+                ],
+            )
+
+    def _complete(self, batch: _Batch, reply: Any) -> None:
+        """Record the broker's answer for the head-of-line batch (lock held)."""
+        state = self._partitions[(batch.topic, batch.partition)]
+        if self.idempotence == "message_id":
+            batch.dup_flags = reply[0].decode()
+            batch.ids = [r.decode() for r in reply[1:]]
+        else:
+            batch.duplicate = reply[0] == b"DUP"
+            batch.first_id = reply[1].decode() if len(reply) > 1 else None
+        self._retire(state, batch)
+
+    def _retire(self, state: _PartitionState, batch: _Batch) -> None:
+        try:
+            state.unacked.remove(batch)
+        except ValueError:  # already failed by a reset
+            return
+        if batch.error is None and batch.base_seq + batch.count > state.acked_next:
+            state.acked_next = batch.base_seq + batch.count
+        self._buffered -= batch.count
+        batch.finish()
+
+    def _handle_error(self, batch: _Batch, exc: Exception) -> bool:
+        """Decide about a batch whose script call failed (lock held); True means retry."""
+        text = str(exc)
+        if isinstance(exc, redis.exceptions.NoScriptError) or text.startswith("NOSCRIPT"):
+            self._scripts.load(
+                {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
+                    self.idempotence or "", "produce"
+                )
+            )
+            return True
+        mapped = errors.from_reply(text, batch.topic) if isinstance(exc, redis.ResponseError) else None
+        if isinstance(mapped, errors.OutOfOrderSequence):
+            return True  # a batch before it is missing: the whole tail goes again, in order
+        if isinstance(mapped, ProducerFenced):
+            self._fail_all(mapped, fatal=True)
+            return False
+        if isinstance(mapped, errors.TopicNotFound):
+            # Checked before any write: nothing of this partition's tail was written, so its
+            # sequences can be handed out again.
+            self._topics.pop(batch.topic, None)
+            self.broker._topic_cache.pop(batch.topic, None)
+            state = self._partitions[(batch.topic, batch.partition)]
+            for failed in list(state.unacked):
+                failed.error = mapped
+                self._retire(state, failed)
+            state.next_seq = state.acked_next
+            return False
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError) or text.startswith(
+            _RETRIABLE_REPLIES
+        ):
+            return True
+        # Anything else leaves the outcome unknown: fail what is unacknowledged and start a new
+        # producer identity, so no later batch can be mistaken for one of these.
+        log.error("batch to %s[%d] failed: %s", batch.topic, batch.partition, text)
+        self._fail_all(errors.RedisqError(f"write to {batch.topic}[{batch.partition}] failed: {text}"))
+        return False
+
+    def _expire_or_fail(self, exc: BaseException, locked: bool = False) -> None:
+        """After a failed round: batches older than delivery_timeout_ms fail, and with them every
+        unacknowledged batch (the producer then starts a new identity)."""
+        now = time.monotonic()
+
+        def check() -> None:
+            for state in self._partitions.values():
+                if state.unacked and now - state.unacked[0].created > self.delivery_timeout_s:
+                    self._fail_all(
+                        DeliveryTimeout(
+                            f"not acknowledged within {self.delivery_timeout_s:.0f} s "
+                            f"(last error: {type(exc).__name__}: {exc})"
+                        )
+                    )
+                    return
+
+        if locked:
+            check()
+        else:
+            with self._cond:
+                check()
+                self._cond.notify_all()
+
+    def _fail_all(self, exc: BaseException, fatal: bool = False) -> None:
+        """Fail every unacknowledged batch (lock held). Unless fatal, take a new identity."""
+        for state in self._partitions.values():
+            for batch in list(state.unacked):
+                batch.error = exc
+                self._retire(state, batch)
+            state.next_seq = 0
+            state.acked_next = 0
+        if fatal:
+            self._fatal = exc
+            for state in self._partitions.values():
+                if state.open is not None:
+                    state.open.error = exc
+                    self._buffered -= state.open.count
+                    state.open.finish()
+                    state.open = None
+            return
+        try:
+            self._init_identity()
+        except Exception as init_error:
+            self._fatal = init_error
+        log.warning("producer reset: now pid %d epoch %d", self.producer_id, self.epoch)
+
+
+def _check_range(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise InvalidConfig(f"{name}={value} is out of range: {low}..{high}")
+
+
+__all__ = ["Producer", "SendFuture", "RecordMetadata", "RedisqError"]

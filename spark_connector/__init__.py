@@ -1,0 +1,1 @@
+"""PySpark data source "redisq" (DESIGN §5): arrives with the Spark connector issue."""
