@@ -22,13 +22,6 @@ local producer_id = ARGV[1]
 if producer_id == '' then
   producer_id = nil
 end
-local layout = ARGV[4]
-local letters = layout_letters_of(layout)
-local stride = #layout
-local count = tonumber(ARGV[5])
-local appender = new_appender(KEYS[1])
-for i = 0, count - 1 do
-  appender.add(message_fields(letters, stride, 6 + i * stride, producer_id, nil))
-end
-trim_retention(KEYS[1], appender.last, tonumber(ARGV[2]), tonumber(ARGV[3]))
-return {'OK', appender.first}
+local appended = append_messages(KEYS[1], ARGV[4], 6, tonumber(ARGV[5]), producer_id, nil, nil)
+trim_retention(KEYS[1], appended.last, tonumber(ARGV[2]), tonumber(ARGV[3]))
+return {'OK', appended.first}

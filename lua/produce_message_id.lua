@@ -15,8 +15,9 @@ ARGV[7...] the messages, #layout arguments each
 Bucket hashes map message id -> the stream ID it was first written at. Ids live in per-slice
 hashes that expire whole, which costs far less memory per id than one key per id.
 
-Returns {flags, id_1, ..., id_n}: flags has one character per message, "0" appended or "1"
-duplicate; id_i is the ID the message was (first) written at.
+Returns {flags, first_id, dup_id_1, ..., dup_id_k}: flags has one character per message, "0"
+appended or "1" duplicate. The appended messages got consecutive IDs from first_id (empty if none
+was appended); dup_id_j is the ID the j-th duplicate was first written at.
 Error replies
   TOPIC_NOT_FOUND   the partition stream does not exist
 ]]
@@ -31,34 +32,41 @@ if producer_id == '' then
   producer_id = nil
 end
 local layout = ARGV[5]
-local letters = layout_letters_of(layout)
-local stride = #layout
 local m_at = string.find(layout, 'm', 1, true) - 1
 local count = tonumber(ARGV[6])
 
-local appender = new_appender(KEYS[1])
-local flags = {}
-local result = {''}
-for i = 0, count - 1 do
-  local pos = 7 + i * stride
+-- A message is new if its id is in neither bucket: HSETNX claims it in the current bucket with
+-- the ID it is about to get (so a repeat later in the same batch is found too); otherwise the
+-- answer is the ID it was first written at.
+local check_previous = redis.call('EXISTS', KEYS[3]) == 1
+local duplicate_of = {}
+local function claim(i, pos, id)
   local message_id = ARGV[pos + m_at]
-  local seen = redis.call('HGET', KEYS[2], message_id)
-  if not seen then
-    seen = redis.call('HGET', KEYS[3], message_id)
+  local earlier = check_previous and redis.call('HGET', KEYS[3], message_id)
+  if not earlier then
+    if redis.call('HSETNX', KEYS[2], message_id, id) == 1 then
+      return true
+    end
+    earlier = redis.call('HGET', KEYS[2], message_id)
   end
-  if seen then
-    flags[i + 1] = '1'
-    result[i + 2] = seen
+  duplicate_of[i + 1] = earlier
+  return false
+end
+
+local appended = append_messages(KEYS[1], layout, 7, count, producer_id, nil, claim)
+local flags = {}
+local result = {'', appended.first or ''}
+for i = 1, count do
+  if appended.ids[i] then
+    flags[i] = '0'
   else
-    local id = appender.add(message_fields(letters, stride, pos, producer_id, nil))
-    redis.call('HSET', KEYS[2], message_id, id)
-    flags[i + 1] = '0'
-    result[i + 2] = id
+    flags[i] = '1'
+    result[#result + 1] = duplicate_of[i]
   end
 end
-if appender.count > 0 then
+if appended.count > 0 then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  trim_retention(KEYS[1], appender.last, tonumber(ARGV[3]), tonumber(ARGV[4]))
+  trim_retention(KEYS[1], appended.last, tonumber(ARGV[3]), tonumber(ARGV[4]))
 end
 result[1] = table.concat(flags)
 return result

@@ -13,7 +13,8 @@ ARGV[7]  state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[8]  maxlen retention (0: none)
 ARGV[9]  retention_ms (0: none)
 ARGV[10] layout letters of the per-message arguments (see includes/append.lua)
-ARGV[11...] the messages, #layout arguments each
+ARGV[11...] the messages, #layout arguments each, then the sequence number of each message as a
+         string (base + i, stored in field s)
 
 State hash fields: epoch, next (next expected sequence), nb (batches written),
 w<slot> = "<base>:<count>:<first stream ID>" for the last `window` batches.
@@ -77,19 +78,13 @@ if base > next_seq then
   return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', next_seq))
 end
 
-local layout = ARGV[10]
-local letters = layout_letters_of(layout)
-local stride = #layout
-local appender = new_appender(KEYS[1])
-for i = 0, count - 1 do
-  appender.add(message_fields(letters, stride, 11 + i * stride, ARGV[1], base + i))
-end
+local appended = append_messages(KEYS[1], ARGV[10], 11, count, ARGV[1], 11 + count * #ARGV[10], nil)
 
 redis.call('HSET', KEYS[2],
   'epoch', ARGV[2],
   'next', string.format('%.0f', base + count),
   'nb', batches + 1,
-  'w' .. (batches % window), ARGV[3] .. ':' .. ARGV[4] .. ':' .. appender.first)
+  'w' .. (batches % window), ARGV[3] .. ':' .. ARGV[4] .. ':' .. appended.first)
 redis.call('PEXPIRE', KEYS[2], ARGV[7])
-trim_retention(KEYS[1], appender.last, tonumber(ARGV[8]), tonumber(ARGV[9]))
-return {'OK', appender.first}
+trim_retention(KEYS[1], appended.last, tonumber(ARGV[8]), tonumber(ARGV[9]))
+return {'OK', appended.first}

@@ -1,10 +1,10 @@
 """redisq: an ordered, idempotent, partitioned message broker layer on Redis and Valkey.
 
-    import redisq
-    broker = redisq.connect()          # url= / REDIS_URL / embedded valkey-server
-    broker.create_topic("orders", partitions=4, exist_ok=True)
-    with broker.producer(name="order-service") as producer:
-        meta = producer.send("orders", b"paid", key="order-42")
+import redisq
+broker = redisq.connect()          # url= / REDIS_URL / embedded valkey-server
+broker.create_topic("orders", partitions=4, exist_ok=True)
+with broker.producer(name="order-service") as producer:
+    meta = producer.send("orders", b"paid", key="order-42")
 """
 
 from redisq import errors

@@ -204,7 +204,9 @@ class Broker:
         raw = self.client.hgetall(self.keys.topic_meta(topic))
         return TopicConfig.from_hash(topic, raw) if raw else None
 
-    def topic_config(self, topic: str, *, refresh: bool = False, max_age_s: float = 30.0) -> TopicConfig:
+    def topic_config(
+        self, topic: str, *, refresh: bool = False, max_age_s: float = 30.0
+    ) -> TopicConfig:
         """The topic's metadata, cached for max_age_s. TopicNotFound if it does not exist."""
         validate_topic(topic)
         cached = self._topic_cache.get(topic)
@@ -258,12 +260,17 @@ class Broker:
         validate_topic(topic)
         partitions = int(
             self.scripts.call(
-                "delete_topic", [self.keys.topics(), self.keys.topic_meta(topic)], [topic], topic=topic
+                "delete_topic",
+                [self.keys.topics(), self.keys.topic_meta(topic)],
+                [topic],
+                topic=topic,
             )
         )
         self._topic_cache.pop(topic, None)
         for p in range(partitions):
-            doomed = list(self.client.scan_iter(match=self.keys.partition_pattern(topic, p), count=1000))
+            doomed = list(
+                self.client.scan_iter(match=self.keys.partition_pattern(topic, p), count=1000)
+            )
             for start in range(0, len(doomed), 500):
                 # One DEL per slot: every key of a partition shares its hash tag.
                 self.client.delete(*doomed[start : start + 500])
@@ -319,4 +326,6 @@ def connect(
     resolved, embedded = connection.resolve_url(url)
     options.setdefault("socket_timeout", 30)
     options.setdefault("socket_connect_timeout", 10)
-    return Broker(connection.open_client(resolved, **options), namespace, url=resolved, embedded=embedded)
+    return Broker(
+        connection.open_client(resolved, **options), namespace, url=resolved, embedded=embedded
+    )

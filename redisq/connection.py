@@ -77,7 +77,9 @@ def open_client(url: str, **options: Any) -> Any:
         info = client.info("cluster")
     except redis.RedisError as exc:
         client.close()
-        raise redis.ConnectionError(f"cannot reach {redact_url(url)}: {type(exc).__name__}") from None
+        raise redis.ConnectionError(
+            f"cannot reach {redact_url(url)}: {type(exc).__name__}"
+        ) from None
     if info.get("cluster_enabled") in (1, "1"):
         client.close()
         return RedisCluster.from_url(url, **options)
@@ -88,10 +90,16 @@ def check_server(client: Any) -> str:
     """Refuse servers older than Redis 7.0 / Valkey 8 (scripts rely on 7.0 semantics)."""
     info = client.info("server")
     if isinstance(client, RedisCluster):  # one dict per node
-        info = next(iter(info.values())) if info and isinstance(next(iter(info.values())), dict) else info
+        info = (
+            next(iter(info.values()))
+            if info and isinstance(next(iter(info.values())), dict)
+            else info
+        )
     version = str(info.get("valkey_version") or info.get("redis_version") or "0")
     major = int(version.split(".")[0] or 0)
     is_valkey = "valkey_version" in info or info.get("server_name") == "valkey"
     if major < (8 if is_valkey else 7):
-        raise UnsupportedServer(f"redisq needs Redis >= 7.0 or Valkey >= 8; the server is {version}")
+        raise UnsupportedServer(
+            f"redisq needs Redis >= 7.0 or Valkey >= 8; the server is {version}"
+        )
     return ("valkey " if is_valkey else "redis ") + version

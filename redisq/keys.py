@@ -24,17 +24,13 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 def validate_namespace(namespace: object) -> str:
     if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-        raise InvalidName(
-            f"invalid namespace {namespace!r}: 1-64 characters from A-Z a-z 0-9 _ -"
-        )
+        raise InvalidName(f"invalid namespace {namespace!r}: 1-64 characters from A-Z a-z 0-9 _ -")
     return namespace
 
 
 def validate_topic(topic: object) -> str:
     if not isinstance(topic, str) or not _TOPIC_RE.match(topic):
-        raise InvalidName(
-            f"invalid topic name {topic!r}: 1-200 characters from A-Z a-z 0-9 . _ -"
-        )
+        raise InvalidName(f"invalid topic name {topic!r}: 1-200 characters from A-Z a-z 0-9 . _ -")
     return topic
 
 

@@ -37,6 +37,7 @@ from redisq.errors import (
 from redisq.keys import validate_name
 from redisq.partitioner import Selector, StickyPartitioner, partition_for_key
 from redisq.records import RecordMetadata, encode_headers, offset_at
+from redisq.transport import Redirect, Transport, bulk, command
 
 if TYPE_CHECKING:
     from redisq.broker import Broker, TopicConfig
@@ -94,6 +95,9 @@ class _Batch:
         "duplicate",
         "error",
         "callbacks",
+        "in_flight",
+        "body",
+        "body_count",
     )
 
     def __init__(self, topic: str, partition: int, layout: str) -> None:
@@ -113,11 +117,19 @@ class _Batch:
         self.duplicate = False
         self.error: BaseException | None = None
         self.callbacks: list[Callable[[SendFuture], None]] | None = None
+        self.in_flight = False
+        self.body: bytes | None = None
+        self.body_count = 0
 
     def metadata(self, index: int) -> RecordMetadata:
-        if self.ids is not None:  # message_id mode: one answer per message
-            duplicate = self.dup_flags is not None and self.dup_flags[index] == "1"
-            return RecordMetadata(self.topic, self.partition, self.ids[index], duplicate)
+        flags = self.dup_flags
+        if flags is not None:  # message_id mode: appended ones are consecutive from first_id
+            if flags[index] == "1":
+                original = self.ids[flags.count("1", 0, index)] if self.ids else None
+                return RecordMetadata(self.topic, self.partition, original, True)
+            appended_before = index - flags.count("1", 0, index)
+            offset = offset_at(self.first_id, appended_before) if self.first_id else None
+            return RecordMetadata(self.topic, self.partition, offset, False)
         offset = offset_at(self.first_id, index) if self.first_id else None
         return RecordMetadata(self.topic, self.partition, offset, self.duplicate)
 
@@ -258,7 +270,7 @@ class Producer:
         self._keys = broker.keys
         self._scripts = broker.scripts
         self._client = broker.client
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._partitions: dict[tuple[str, int], _PartitionState] = {}
         self._topics: dict[str, TopicConfig] = {}
         self._registered_topics: set[str] = set()
@@ -401,8 +413,10 @@ class Producer:
 
         mid: bytes | None
         if message_id is not None:
-            mid = str(message_id).encode() if isinstance(message_id, int) else _as_bytes(
-                "message_id", message_id
+            mid = (
+                str(message_id).encode()
+                if isinstance(message_id, int)
+                else _as_bytes("message_id", message_id)
             )
             if not mid:
                 raise ValueError("message_id must not be empty")
@@ -455,14 +469,15 @@ class Producer:
             if batch is None:
                 batch = state.open = _Batch(topic, partition, layout)
                 self._cond.notify()  # start the linger clock
+            # Encoded once, here, as RESP bulk strings: the sender only joins them.
             args = batch.args
             if key_b:
-                args.append(key_b)
-            args.append(value_b)
+                args.append(b"$%d\r\n%b\r\n" % (len(key_b), key_b))
+            args.append(b"$%d\r\n%b\r\n" % (len(value_b), value_b))
             if headers_b:
-                args.append(headers_b)
+                args.append(b"$%d\r\n%b\r\n" % (len(headers_b), headers_b))
             if mid:
-                args.append(mid)
+                args.append(b"$%d\r\n%b\r\n" % (len(mid), mid))
             index = batch.count
             batch.count += 1
             batch.nbytes += size
@@ -546,146 +561,233 @@ class Producer:
                 next_deadline = due
         return next_deadline
 
-    def _run(self) -> None:
-        backoff = self.retry_backoff_s
-        while True:
-            with self._cond:
-                while True:
-                    next_deadline = self._seal_due(time.monotonic())
-                    if any(s.unacked for s in self._partitions.values()):
+    def _pick_work(self) -> list[_Batch]:
+        """The batches to write now (lock held): per partition, the unacknowledged batches after
+        the ones already in flight, up to max_in_flight. A partition whose in-flight batches
+        follow one that must be re-sent waits until they come back (they will be refused as
+        OUT_OF_ORDER and re-sent after it, in order)."""
+        work: list[_Batch] = []
+        for state in self._partitions.values():
+            in_flight = 0
+            seen_idle = False
+            pending: list[_Batch] = []
+            for batch in state.unacked:
+                if batch.in_flight:
+                    if seen_idle:
+                        pending = []
                         break
-                    if self._closing:
-                        return
-                    timeout = None if next_deadline is None else max(0.0, next_deadline - time.monotonic())
-                    self._cond.wait(timeout if timeout is not None else 1.0)
-                work = [
-                    batch
-                    for state in self._partitions.values()
-                    for batch in list(state.unacked)[: self.max_in_flight]
-                ]
-            try:
-                progress, retry = self._send_round(work)
-            except Exception as exc:  # never let the sender die silently
-                log.exception("sender round failed")
-                progress, retry = False, True
-                self._expire_or_fail(exc)
-            if retry and not progress:
-                time.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, 1.0)
-            elif not retry:
-                backoff = self.retry_backoff_s
-
-    def _send_round(self, work: list[_Batch]) -> tuple[bool, bool]:
-        """One pipeline with every batch of the round; returns (progress made, retry needed)."""
-        pipe = self._client.pipeline(transaction=False)
-        for batch in work:
-            self._queue_batch(pipe, batch)
-        if self.acks == "replicas":
-            pipe.execute_command("WAIT", self.min_replicas, self.ack_timeout_ms)
-        elif self.acks == "fsync":
-            pipe.execute_command("WAITAOF", 1, 0, self.ack_timeout_ms)
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("send round of %d batches: %s; will retry", len(work), type(exc).__name__)
-            self._expire_or_fail(exc)
-            return False, True
-        finally:
-            pipe.reset()
-
-        durable_error: BaseException | None = None
-        if self.acks != "leader":
-            durable = replies.pop()
-            count = durable[0] if isinstance(durable, list) else durable
-            if isinstance(durable, Exception):
-                durable_error = durable
-            elif int(count) < self.min_replicas if self.acks == "replicas" else int(count) < 1:
-                durable_error = NotEnoughReplicas(
-                    f"acks={self.acks}: {count} acknowledged within {self.ack_timeout_ms} ms"
-                )
-        progress = retry = False
-        with self._cond:
-            for batch, reply in zip(work, replies, strict=True):
-                if isinstance(reply, Exception):
-                    retry |= self._handle_error(batch, reply)
-                elif durable_error is not None:
-                    retry = True  # written but not yet durable: the retry is answered as DUP
+                    in_flight += 1
                 else:
-                    self._complete(batch, reply)
-                    progress = True
-            if durable_error is not None:
-                self._expire_or_fail(durable_error, locked=True)
-            self._cond.notify_all()
-        return progress, retry
+                    seen_idle = True
+                    if in_flight + len(pending) < self.max_in_flight:
+                        pending.append(batch)
+                    elif not in_flight:
+                        break
+            for batch in pending:
+                batch.in_flight = True
+            work += pending
+        return work
 
-    def _queue_batch(self, pipe: Any, batch: _Batch) -> None:
+    def _run(self) -> None:
+        transport = Transport(self._client)
+        outstanding: deque[_Round] = deque()
+        backoff = self.retry_backoff_s
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        next_deadline = self._seal_due(time.monotonic())
+                        work = self._pick_work() if len(outstanding) < 2 else []
+                        if work or outstanding:
+                            break
+                        if self._closing:
+                            return
+                        timeout = 1.0 if next_deadline is None else next_deadline - time.monotonic()
+                        self._cond.wait(max(0.0, timeout))
+                try:
+                    if work:
+                        outstanding.append(self._submit(transport, work))
+                    if outstanding and (len(outstanding) >= 2 or not work):
+                        progress, retry = self._collect(transport, outstanding.popleft())
+                        if retry and not progress:
+                            time.sleep(backoff * (0.5 + random.random()))
+                            backoff = min(backoff * 2, 1.0)
+                        elif progress:
+                            backoff = self.retry_backoff_s
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    # Replies in flight are lost: every batch on the wire goes again (the window
+                    # answers the ones that were written as duplicates, with their offsets).
+                    log.warning(
+                        "connection lost (%s); re-sending in-flight batches", type(exc).__name__
+                    )
+                    transport.reset()
+                    with self._cond:
+                        for round_ in outstanding:
+                            round_.release()
+                        for batch in work:
+                            batch.in_flight = False
+                        outstanding.clear()
+                        self._expire_or_fail(exc)
+                        self._cond.notify_all()
+                    time.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, 1.0)
+                except Exception as exc:  # never let the sender die silently
+                    log.exception("sender round failed")
+                    transport.reset()
+                    with self._cond:
+                        for round_ in outstanding:
+                            round_.release()
+                        for batch in work:
+                            batch.in_flight = False
+                        outstanding.clear()
+                        self._fail_all(errors.RedisqError(f"sender failed: {exc!r}"))
+                        self._cond.notify_all()
+        finally:
+            transport.close()
+
+    def _submit(self, transport: Transport, work: list[_Batch]) -> _Round:
+        """Encode and write one round: per node, the batches' EVALSHA commands (behind ASKING
+        after an ASK redirection), then WAIT/WAITAOF for acks="replicas"/"fsync"."""
+        round_ = _Round()
+        payloads: dict[str, list[bytes]] = {}
+        for batch in work:
+            key = self._keys.log(batch.topic, batch.partition)
+            node = transport.node_for(key)
+            parts = payloads.setdefault(node, [])
+            entries = round_.nodes.setdefault(node, [])
+            if transport.asking(key):
+                transport.forget_asking(key)
+                parts.append(command(b"ASKING", ()))
+                entries.append(None)
+            parts.append(self._batch_command(batch, key))
+            entries.append(batch)
+        for node, parts in payloads.items():
+            if self.acks == "replicas":
+                parts.append(command(b"WAIT", (self.min_replicas, self.ack_timeout_ms)))
+            elif self.acks == "fsync":
+                parts.append(command(b"WAITAOF", (1, 0, self.ack_timeout_ms)))
+            transport.send(node, b"".join(parts))
+            round_.sent.append(node)
+        return round_
+
+    def _batch_command(self, batch: _Batch, log_key: str) -> bytes:
         topic, p = batch.topic, batch.partition
         config = self._topics[topic]
-        log_key = self._keys.log(topic, p)
+        if batch.body is None:  # encoded once: a retry writes exactly the same messages
+            body = batch.args
+            if self.idempotence == "sequence":
+                body = body + [
+                    bulk(b"%d" % s) for s in range(batch.base_seq, batch.base_seq + batch.count)
+                ]
+            batch.body = b"".join(body)
+            batch.body_count = len(body)
         if self.idempotence == "sequence":
             state = self._partitions[(topic, p)]
-            self._scripts.queue(
-                pipe,
-                "produce_sequence",
-                [log_key, self._keys.producer_state(topic, p, self.producer_id)],
-                [
-                    self.producer_id,
-                    self.epoch,
-                    batch.base_seq,
-                    batch.count,
-                    state.acked_next,
-                    self.window,
-                    config.state_ttl_ms,
-                    config.retention_messages,
-                    config.retention_ms,
-                    batch.layout,
-                    *batch.args,
-                ],
-            )
+            script = self._scripts["produce_sequence"]
+            keys: list[Any] = [log_key, self._keys.producer_state(topic, p, self.producer_id)]
+            head: list[Any] = [
+                self.producer_id,
+                self.epoch,
+                batch.base_seq,
+                batch.count,
+                state.acked_next,
+                self.window,
+                config.state_ttl_ms,
+                config.retention_messages,
+                config.retention_ms,
+                batch.layout,
+            ]
         elif self.idempotence == "message_id":
             window = config.dedup_window_ms
             now_ms = int(time.time() * 1000)
             bucket = now_ms // window
-            expire_ms = (bucket + 2) * window - now_ms + 1000
-            self._scripts.queue(
-                pipe,
-                "produce_message_id",
-                [
-                    log_key,
-                    self._keys.dedup_bucket(topic, p, bucket),
-                    self._keys.dedup_bucket(topic, p, bucket - 1),
-                ],
-                [
-                    self.producer_id,
-                    expire_ms,
-                    config.retention_messages,
-                    config.retention_ms,
-                    batch.layout,
-                    batch.count,
-                    *batch.args,
-                ],
-            )
+            script = self._scripts["produce_message_id"]
+            keys = [
+                log_key,
+                self._keys.dedup_bucket(topic, p, bucket),
+                self._keys.dedup_bucket(topic, p, bucket - 1),
+            ]
+            head = [
+                self.producer_id,
+                (bucket + 2) * window - now_ms + 1000,  # expiry of the current bucket
+                config.retention_messages,
+                config.retention_ms,
+                batch.layout,
+                batch.count,
+            ]
         else:
-            self._scripts.queue(
-                pipe,
-                "produce",
-                [log_key],
-                [
-                    self.producer_id,
-                    config.retention_messages,
-                    config.retention_ms,
-                    batch.layout,
-                    batch.count,
-                    *batch.args,
-                ],
+            script = self._scripts["produce"]
+            keys = [log_key]
+            head = [
+                self.producer_id,
+                config.retention_messages,
+                config.retention_ms,
+                batch.layout,
+                batch.count,
+            ]
+        return command(
+            b"EVALSHA", [script.sha, len(keys), *keys, *head], [batch.body], batch.body_count
+        )
+
+    def _collect(self, transport: Transport, round_: _Round) -> tuple[bool, bool]:
+        """Read one round's replies and settle its batches; returns (progress, retry)."""
+        replies: dict[str, list[Any]] = {}
+        for node in round_.sent:
+            extra = 1 if self.acks != "leader" else 0
+            replies[node] = transport.read(node, len(round_.nodes[node]) + extra)
+        progress = retry = False
+        with self._cond:
+            for node, entries in round_.nodes.items():
+                node_replies = replies[node]
+                durable_error = (
+                    self._durable_error(node_replies.pop()) if self.acks != "leader" else None
+                )
+                for batch, reply in zip(entries, node_replies, strict=True):
+                    if batch is None:  # the reply to ASKING
+                        continue
+                    batch.in_flight = False
+                    if batch.done.is_set():  # failed meanwhile (delivery timeout, fencing)
+                        continue
+                    if isinstance(reply, Redirect):
+                        if reply.kind == "ASK":
+                            transport.note_ask(
+                                self._keys.log(batch.topic, batch.partition), reply.node
+                            )
+                        retry = True
+                    elif isinstance(reply, Exception):
+                        retry |= self._handle_error(batch, reply)
+                    elif durable_error is not None:
+                        retry = True  # written, not yet durable: the retry is answered as DUP
+                    else:
+                        self._complete(batch, reply)
+                        progress = True
+                if durable_error is not None:
+                    log.warning("acks=%s: %s", self.acks, durable_error)
+            if retry:
+                self._expire_or_fail(errors.RedisqError("batches not acknowledged"), locked=True)
+            self._cond.notify_all()
+        return progress, retry
+
+    def _durable_error(self, reply: Any) -> BaseException | None:
+        """Check the WAIT / WAITAOF reply of a node's round."""
+        if isinstance(reply, Exception):
+            return reply
+        count = int(reply[0] if isinstance(reply, list) else reply)
+        needed = self.min_replicas if self.acks == "replicas" else 1
+        if count < needed:
+            return NotEnoughReplicas(
+                f"acks={self.acks}: {count} of {needed} acknowledged "
+                f"within {self.ack_timeout_ms} ms"
             )
+        return None
 
     def _complete(self, batch: _Batch, reply: Any) -> None:
-        """Record the broker's answer for the head-of-line batch (lock held)."""
+        """Record the broker's answer for a batch (lock held)."""
         state = self._partitions[(batch.topic, batch.partition)]
         if self.idempotence == "message_id":
             batch.dup_flags = reply[0].decode()
-            batch.ids = [r.decode() for r in reply[1:]]
+            batch.first_id = reply[1].decode() or None
+            batch.ids = [r.decode() for r in reply[2:]]  # original IDs of the duplicates
         else:
             batch.duplicate = reply[0] == b"DUP"
             batch.first_id = reply[1].decode() if len(reply) > 1 else None
@@ -711,7 +813,9 @@ class Producer:
                 )
             )
             return True
-        mapped = errors.from_reply(text, batch.topic) if isinstance(exc, redis.ResponseError) else None
+        mapped = (
+            errors.from_reply(text, batch.topic) if isinstance(exc, redis.ResponseError) else None
+        )
         if isinstance(mapped, errors.OutOfOrderSequence):
             return True  # a batch before it is missing: the whole tail goes again, in order
         if isinstance(mapped, ProducerFenced):
@@ -728,19 +832,19 @@ class Producer:
                 self._retire(state, failed)
             state.next_seq = state.acked_next
             return False
-        if isinstance(exc, redis.ConnectionError | redis.TimeoutError) or text.startswith(
-            _RETRIABLE_REPLIES
-        ):
+        if text.startswith(_RETRIABLE_REPLIES):
             return True
         # Anything else leaves the outcome unknown: fail what is unacknowledged and start a new
         # producer identity, so no later batch can be mistaken for one of these.
         log.error("batch to %s[%d] failed: %s", batch.topic, batch.partition, text)
-        self._fail_all(errors.RedisqError(f"write to {batch.topic}[{batch.partition}] failed: {text}"))
+        self._fail_all(
+            errors.RedisqError(f"write to {batch.topic}[{batch.partition}] failed: {text}")
+        )
         return False
 
     def _expire_or_fail(self, exc: BaseException, locked: bool = False) -> None:
-        """After a failed round: batches older than delivery_timeout_ms fail, and with them every
-        unacknowledged batch (the producer then starts a new identity)."""
+        """Batches older than delivery_timeout_ms fail, and with them every unacknowledged batch
+        (the producer then starts a new identity: their outcome is unknown)."""
         now = time.monotonic()
 
         def check() -> None:
@@ -783,6 +887,22 @@ class Producer:
         except Exception as init_error:
             self._fatal = init_error
         log.warning("producer reset: now pid %d epoch %d", self.producer_id, self.epoch)
+
+
+class _Round:
+    """Batches written together, per node, whose replies are still to be read."""
+
+    __slots__ = ("nodes", "sent")
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, list[_Batch | None]] = {}
+        self.sent: list[str] = []
+
+    def release(self) -> None:
+        for entries in self.nodes.values():
+            for batch in entries:
+                if batch is not None:
+                    batch.in_flight = False
 
 
 def _check_range(name: str, value: object, low: float, high: float) -> None:

@@ -22,7 +22,9 @@ def encode_headers(headers: Mapping[str, str | bytes] | None) -> bytes:
     if not headers:
         return b""
     if not isinstance(headers, Mapping):
-        raise TypeError(f"headers must be a mapping of str to str or bytes, not {type(headers).__name__}")
+        raise TypeError(
+            f"headers must be a mapping of str to str or bytes, not {type(headers).__name__}"
+        )
     parts: list[bytes] = []
     for name, value in headers.items():
         if not isinstance(name, str):
@@ -107,7 +109,9 @@ class Message:
         return self.timestamp_ms / 1000.0
 
 
-def decode_entry(topic: str, partition: int, entry_id: Any, fields: Mapping[bytes, bytes]) -> Message:
+def decode_entry(
+    topic: str, partition: int, entry_id: Any, fields: Mapping[bytes, bytes]
+) -> Message:
     """A stream entry (as redis-py returns it, bytes) as a Message."""
     offset = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
     producer_id = fields.get(b"p")

@@ -42,7 +42,9 @@ class SnowflakeGenerator:
         self.worker_id = self._lease_worker_id()
         self._lease_deadline = time.monotonic() + lease_ttl_ms / 1000
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew_loop, name="redisq-worker-id", daemon=True)
+        self._renewer = threading.Thread(
+            target=self._renew_loop, name="redisq-worker-id", daemon=True
+        )
         self._renewer.start()
 
     def _lease_worker_id(self) -> int:
@@ -89,13 +91,17 @@ class SnowflakeGenerator:
             else:
                 self._counter = 0
             self._last_ms = now
-            return ((now - EPOCH_MS) << (WORKER_BITS + COUNTER_BITS)) | (
-                self.worker_id << COUNTER_BITS
-            ) | self._counter
+            return (
+                ((now - EPOCH_MS) << (WORKER_BITS + COUNTER_BITS))
+                | (self.worker_id << COUNTER_BITS)
+                | self._counter
+            )
 
     def close(self) -> None:
         self._stop.set()
         try:
-            self._scripts.call("release_lease", [self._keys.worker_id_lease(self.worker_id)], [self._token])
+            self._scripts.call(
+                "release_lease", [self._keys.worker_id_lease(self.worker_id)], [self._token]
+            )
         except Exception as exc:
             log.warning("worker id %d: release failed: %s", self.worker_id, exc)
