@@ -3,6 +3,7 @@
 KEYS[1]  partition stream                                    <ns>:{<topic>:<p>}:log
 KEYS[2]  dedup bucket of the current time slice, a hash      <ns>:{<topic>:<p>}:dedup:<b>
 KEYS[3]  dedup bucket of the previous time slice, a hash     <ns>:{<topic>:<p>}:dedup:<b-1>
+KEYS[4]  producer state of (partition, PID), a hash         <ns>:{<topic>:<p>}:pid:<pid>
 ARGV[1]  producer id (PID), stored with each entry (empty: none)
 ARGV[2]  expiry of the current bucket in ms (the end of the next slice: an id is remembered for
          at least one window and at most two)
@@ -10,7 +11,15 @@ ARGV[3]  maxlen retention (0: none)
 ARGV[4]  retention_ms (0: none)
 ARGV[5]  layout letters of the per-message arguments; must contain m (see includes/append.lua)
 ARGV[6]  number of messages
-ARGV[7...] the messages, #layout arguments each
+ARGV[7]  batch number of this producer on this partition (0, 1, 2, ...)
+ARGV[8]  acked_next: the batch number after the producer's last acknowledged batch here (used
+         only when the broker holds no state for this PID)
+ARGV[9]  state_ttl_ms: expiry of the state key, refreshed on every write
+ARGV[10...] the messages, #layout arguments each
+
+Batch numbers keep a producer's batches in order when several are in flight: a batch after a
+missing one is refused (OUT_OF_ORDER) and re-sent after it. A batch that was written before
+goes through the id check again, which answers every message as a duplicate with its offset.
 
 Bucket hashes map message id -> the stream ID it was first written at. Ids live in per-slice
 hashes that expire whole, which costs far less memory per id than one key per id.
@@ -19,7 +28,8 @@ Returns {flags, first_id, dup_id_1, ..., dup_id_k}: flags has one character per 
 appended or "1" duplicate. The appended messages got consecutive IDs from first_id (empty if none
 was appended); dup_id_j is the ID the j-th duplicate was first written at.
 Error replies
-  TOPIC_NOT_FOUND   the partition stream does not exist
+  TOPIC_NOT_FOUND             the partition stream does not exist
+  OUT_OF_ORDER expected=<n>   a batch before this one is missing: nothing written
 ]]
 -- #include includes/append.lua
 
@@ -27,10 +37,14 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
 
-local producer_id = ARGV[1]
-if producer_id == '' then
-  producer_id = nil
+local batch_no = tonumber(ARGV[7])
+local last_batch = tonumber(redis.call('HGET', KEYS[4], 'batch'))
+local expected = last_batch and last_batch + 1 or tonumber(ARGV[8])
+if batch_no > expected then
+  return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', expected))
 end
+
+local producer_id = ARGV[1]
 local layout = ARGV[5]
 local m_at = string.find(layout, 'm', 1, true) - 1
 local count = tonumber(ARGV[6])
@@ -53,7 +67,7 @@ local function claim(i, pos, id)
   return false
 end
 
-local appended = append_messages(KEYS[1], layout, 7, count, producer_id, nil, claim)
+local appended = append_messages(KEYS[1], layout, 10, count, producer_id, nil, claim)
 local flags = {}
 local result = {'', appended.first or ''}
 for i = 1, count do
@@ -63,6 +77,10 @@ for i = 1, count do
     flags[i] = '1'
     result[#result + 1] = duplicate_of[i]
   end
+end
+if batch_no == expected then
+  redis.call('HSET', KEYS[4], 'batch', ARGV[7])
+  redis.call('PEXPIRE', KEYS[4], ARGV[9])
 end
 if appended.count > 0 then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])

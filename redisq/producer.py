@@ -98,6 +98,7 @@ class _Batch:
         "in_flight",
         "body",
         "body_count",
+        "span",
     )
 
     def __init__(self, topic: str, partition: int, layout: str) -> None:
@@ -120,6 +121,7 @@ class _Batch:
         self.in_flight = False
         self.body: bytes | None = None
         self.body_count = 0
+        self.span = 0
 
     def metadata(self, index: int) -> RecordMetadata:
         flags = self.dup_flags
@@ -253,9 +255,11 @@ class Producer:
         self.linger_s = linger_ms / 1000
         self.max_batch_messages = max_batch_messages
         self.max_batch_bytes = max_batch_bytes
-        # message_id mode has no gap detection at the broker: one batch in flight per partition
-        # keeps the order when a batch fails and a later one would have succeeded.
-        self.max_in_flight = max_in_flight if idempotence == "sequence" else 1
+        # Without idempotence the broker detects no gap: one batch in flight per partition keeps
+        # the order when a batch fails and a later one would have succeeded.
+        self.max_in_flight = max_in_flight if idempotence else 1
+        # Sequence numbers count messages; in message_id mode they count batches.
+        self._per_message_seq = idempotence == "sequence"
         self.window = window
         self.max_message_bytes = max_message_bytes
         self.delivery_timeout_s = delivery_timeout_ms / 1000
@@ -397,64 +401,59 @@ class Producer:
         Raises at once (and queues nothing) on bad input: TypeError for a value, key or header
         of the wrong type, MessageTooLarge, TopicNotFound, PartitionOutOfRange.
         """
-        if self._fatal is not None:
-            raise self._fatal
-        if self._closing:
-            raise ProducerClosed("send after close()")
-        value_b = _as_bytes("value", value)
-        key_b = None if key is None else _as_bytes("key", key)
-        if key_b == b"":
-            raise ValueError("key must not be empty; use key=None for a message without a key")
-        headers_b = encode_headers(headers) if headers else b""
-        size = len(value_b) + (len(key_b) if key_b else 0) + len(headers_b)
+        # This is the hot path: the common case (bytes value and key, no headers) is kept to a
+        # handful of type checks, one CRC-32 and one locked append.
+        if self._fatal is not None or self._closing:
+            raise self._fatal or ProducerClosed("send after close()")
+        if type(value) is not bytes:
+            value = _as_bytes("value", value)
+        size = len(value)
+        if key is not None:
+            if type(key) is not bytes:
+                key = _as_bytes("key", key)
+            if not key:
+                raise ValueError("key must not be empty; use key=None for a message without a key")
+            size += len(key)
+        headers_b = encode_headers(headers) if headers else None
+        if headers_b:
+            size += len(headers_b)
         if size > self.max_message_bytes:
             raise MessageTooLarge(size, self.max_message_bytes)
-        config = self._topic(topic)
+        config = self._topics.get(topic) or self._topic(topic)
+        partitions = config.partitions
 
-        mid: bytes | None
+        mid: bytes | None = None
         if message_id is not None:
-            mid = (
-                str(message_id).encode()
-                if isinstance(message_id, int)
-                else _as_bytes("message_id", message_id)
-            )
+            if isinstance(message_id, int) and not isinstance(message_id, bool):
+                mid = b"%d" % message_id
+            else:
+                mid = _as_bytes("message_id", message_id)
             if not mid:
                 raise ValueError("message_id must not be empty")
         elif self._ids is not None:
-            mid = str(self._ids.next_id()).encode()
-        else:
-            mid = None
+            mid = b"%d" % self._ids.next_id()
 
         if partition is not None:
             partition = self.broker.check_partition(topic, partition)
         elif self._selector is not None:
-            partition = self._selector(topic, key_b, value_b, config.partitions)
-            if not isinstance(partition, int) or not 0 <= partition < config.partitions:
-                raise errors.PartitionOutOfRange(topic, partition, config.partitions)
-        elif key_b is not None:
-            partition = partition_for_key(key_b, config.partitions)
-        elif mid is not None and self.idempotence == "message_id":
-            partition = partition_for_key(mid, config.partitions)  # the id's dedup scope
+            partition = self._selector(topic, key, value, partitions)
+            if type(partition) is not int or not 0 <= partition < partitions:
+                raise errors.PartitionOutOfRange(topic, partition, partitions)
+        elif key is not None:
+            partition = partition_for_key(key, partitions)
+        elif mid is not None and self._ids is not None:
+            partition = partition_for_key(mid, partitions)  # an id's dedup scope is its partition
         else:
-            partition = self._sticky.partition(topic, config.partitions)
+            partition = self._sticky.partition(topic, partitions)
 
-        layout = ("k" if key_b else "") + "v" + ("h" if headers_b else "") + ("m" if mid else "")
-        if self.idempotence == "message_id" and "m" not in layout:  # pragma: no cover
-            raise AssertionError("message_id mode without an id")
+        if headers_b is None and mid is None:
+            layout = "v" if key is None else "kv"
+        else:
+            layout = ("k" if key else "") + "v" + ("h" if headers_b else "") + ("m" if mid else "")
 
         with self._cond:
             if self._buffered >= self.max_buffered_messages:
-                deadline = time.monotonic() + self.max_block_s
-                while self._buffered >= self.max_buffered_messages and self._fatal is None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise errors.RedisqError(
-                            f"buffer full ({self.max_buffered_messages} messages) for "
-                            f"max_block_ms={int(self.max_block_s * 1000)}"
-                        )
-                    self._cond.wait(remaining)
-                if self._fatal is not None:
-                    raise self._fatal
+                self._wait_for_buffer_space()
             state = self._partitions.get((topic, partition))
             if state is None:
                 state = self._partitions[(topic, partition)] = _PartitionState()
@@ -464,27 +463,41 @@ class Producer:
                 or batch.count >= self.max_batch_messages
                 or batch.nbytes + size > self.max_batch_bytes
             ):
-                self._seal(state, config.partitions)
+                self._seal(state, partitions)
                 batch = None
             if batch is None:
                 batch = state.open = _Batch(topic, partition, layout)
                 self._cond.notify()  # start the linger clock
             # Encoded once, here, as RESP bulk strings: the sender only joins them.
             args = batch.args
-            if key_b:
-                args.append(b"$%d\r\n%b\r\n" % (len(key_b), key_b))
-            args.append(b"$%d\r\n%b\r\n" % (len(value_b), value_b))
+            if key is not None:
+                args += (_bulk_header(len(key)), key, b"\r\n")
+            args += (_bulk_header(len(value)), value, b"\r\n")
             if headers_b:
-                args.append(b"$%d\r\n%b\r\n" % (len(headers_b), headers_b))
-            if mid:
-                args.append(b"$%d\r\n%b\r\n" % (len(mid), mid))
+                args += (_bulk_header(len(headers_b)), headers_b, b"\r\n")
+            if mid is not None:
+                args += (_bulk_header(len(mid)), mid, b"\r\n")
             index = batch.count
-            batch.count += 1
+            batch.count = index + 1
             batch.nbytes += size
             self._buffered += 1
-            if batch.count >= self.max_batch_messages:
-                self._seal(state, config.partitions)
+            if index + 1 >= self.max_batch_messages:
+                self._seal(state, partitions)
         return SendFuture(batch, index)
+
+    def _wait_for_buffer_space(self) -> None:
+        """Block (lock held) while max_buffered_messages are waiting, up to max_block_ms."""
+        deadline = time.monotonic() + self.max_block_s
+        while self._buffered >= self.max_buffered_messages and self._fatal is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.RedisqError(
+                    f"buffer full ({self.max_buffered_messages} messages) for "
+                    f"max_block_ms={int(self.max_block_s * 1000)}"
+                )
+            self._cond.wait(remaining)
+        if self._fatal is not None:
+            raise self._fatal
 
     def send(
         self,
@@ -542,7 +555,8 @@ class Producer:
         state.open = None
         batch.sealed = True
         batch.base_seq = state.next_seq
-        state.next_seq += batch.count
+        batch.span = batch.count if self._per_message_seq else 1
+        state.next_seq += batch.span
         state.unacked.append(batch)
         self._sticky.batch_sealed(batch.topic, batch.partition, partitions)
         self._cond.notify_all()
@@ -675,12 +689,13 @@ class Producer:
         config = self._topics[topic]
         if batch.body is None:  # encoded once: a retry writes exactly the same messages
             body = batch.args
+            batch.body_count = batch.count * len(batch.layout)
             if self.idempotence == "sequence":
                 body = body + [
                     bulk(b"%d" % s) for s in range(batch.base_seq, batch.base_seq + batch.count)
                 ]
+                batch.body_count += batch.count
             batch.body = b"".join(body)
-            batch.body_count = len(body)
         if self.idempotence == "sequence":
             state = self._partitions[(topic, p)]
             script = self._scripts["produce_sequence"]
@@ -706,6 +721,7 @@ class Producer:
                 log_key,
                 self._keys.dedup_bucket(topic, p, bucket),
                 self._keys.dedup_bucket(topic, p, bucket - 1),
+                self._keys.producer_state(topic, p, self.producer_id),
             ]
             head = [
                 self.producer_id,
@@ -714,6 +730,9 @@ class Producer:
                 config.retention_ms,
                 batch.layout,
                 batch.count,
+                batch.base_seq,  # the batch number, in this mode
+                self._partitions[(topic, p)].acked_next,
+                config.state_ttl_ms,
             ]
         else:
             script = self._scripts["produce"]
@@ -798,8 +817,8 @@ class Producer:
             state.unacked.remove(batch)
         except ValueError:  # already failed by a reset
             return
-        if batch.error is None and batch.base_seq + batch.count > state.acked_next:
-            state.acked_next = batch.base_seq + batch.count
+        if batch.error is None and batch.base_seq + batch.span > state.acked_next:
+            state.acked_next = batch.base_seq + batch.span
         self._buffered -= batch.count
         batch.finish()
 
@@ -903,6 +922,14 @@ class _Round:
             for batch in entries:
                 if batch is not None:
                     batch.in_flight = False
+
+
+_BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
+
+
+def _bulk_header(length: int) -> bytes:
+    """The RESP bulk-string header for a value of this length."""
+    return _BULK_HEADERS[length] if length < 4096 else b"$%d\r\n" % length
 
 
 def _check_range(name: str, value: object, low: float, high: float) -> None:
