@@ -310,16 +310,17 @@ class Producer:
 
     # -- identity and fencing ------------------------------------------------------------------
     def _check_acks_supported(self) -> None:
-        if self.acks == "fsync":
-            try:
-                info = self._client.command_info("WAITAOF") if not self.broker.is_cluster else None
-            except redis.ResponseError:
-                info = None
-            if not info and not self.broker.is_cluster:
+        if self.acks == "fsync" and not self.broker.is_cluster:
+            try:  # returns at once (nothing to wait for); an unknown command on Redis < 7.2
+                self._client.execute_command("WAITAOF", 0, 0, 0)
+            except redis.ResponseError as exc:
                 raise UnsupportedServer(
                     f'acks="fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8); {self.broker.server} '
                     "does not have it"
-                )
+                ) from exc
+            if not int(self._client.info("persistence").get("aof_enabled", 0)):
+                # WAITAOF 1 would fail on every batch until the delivery timeout.
+                raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
         if self.acks in ("replicas", "fsync") and self.broker.is_cluster:
             raise UnsupportedServer(
                 f'acks="{self.acks}" is not supported on Redis Cluster yet; use acks="leader"'
@@ -622,7 +623,10 @@ class Producer:
                     if work:
                         outstanding.append(self._submit(transport, work))
                     if outstanding and (len(outstanding) >= 2 or not work):
-                        progress, retry = self._collect(transport, outstanding.popleft())
+                        # The round leaves `outstanding` only once read: if reading fails,
+                        # the handler below puts its batches back.
+                        progress, retry = self._collect(transport, outstanding[0])
+                        outstanding.popleft()
                         if retry and not progress:
                             time.sleep(backoff * (0.5 + random.random()))
                             backoff = min(backoff * 2, 1.0)
@@ -783,7 +787,7 @@ class Producer:
                 if durable_error is not None:
                     log.warning("acks=%s: %s", self.acks, durable_error)
             if retry:
-                self._expire_or_fail(errors.RedisqError("batches not acknowledged"), locked=True)
+                self._expire_or_fail(errors.RedisqError("batches not acknowledged"))
             self._cond.notify_all()
         return progress, retry
 
@@ -861,28 +865,19 @@ class Producer:
         )
         return False
 
-    def _expire_or_fail(self, exc: BaseException, locked: bool = False) -> None:
-        """Batches older than delivery_timeout_ms fail, and with them every unacknowledged batch
-        (the producer then starts a new identity: their outcome is unknown)."""
+    def _expire_or_fail(self, exc: BaseException) -> None:
+        """(Lock held.) Batches older than delivery_timeout_ms fail, and with them every
+        unacknowledged batch: their outcome is unknown, so the producer takes a new identity."""
         now = time.monotonic()
-
-        def check() -> None:
-            for state in self._partitions.values():
-                if state.unacked and now - state.unacked[0].created > self.delivery_timeout_s:
-                    self._fail_all(
-                        DeliveryTimeout(
-                            f"not acknowledged within {self.delivery_timeout_s:.0f} s "
-                            f"(last error: {type(exc).__name__}: {exc})"
-                        )
+        for state in self._partitions.values():
+            if state.unacked and now - state.unacked[0].created > self.delivery_timeout_s:
+                self._fail_all(
+                    DeliveryTimeout(
+                        f"not acknowledged within {self.delivery_timeout_s:.0f} s "
+                        f"(last error: {type(exc).__name__}: {exc})"
                     )
-                    return
-
-        if locked:
-            check()
-        else:
-            with self._cond:
-                check()
-                self._cond.notify_all()
+                )
+                return
 
     def _fail_all(self, exc: BaseException, fatal: bool = False) -> None:
         """Fail every unacknowledged batch (lock held). Unless fatal, take a new identity."""
