@@ -265,7 +265,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- parser -------------------------------------------------------------------------------------
 def _add_consumer_commands(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Consumer-group commands (group, lag, dlq) are registered here by the consumer module."""
+    """Consumer-group commands: group, lag, dlq."""
+
+
+def _add_spark_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Spark analysis commands: audit (ordering, skew, throughput, lag); need the [spark] extra."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     _add_consumer_commands(sub, common)
+    _add_spark_commands(sub, common)
     return parser
 
 
