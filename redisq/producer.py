@@ -79,6 +79,7 @@ class _Batch:
     """Messages for one partition. Frozen once sealed: a retry re-sends exactly these."""
 
     __slots__ = (
+        "config",
         "topic",
         "partition",
         "layout",
@@ -101,8 +102,9 @@ class _Batch:
         "span",
     )
 
-    def __init__(self, topic: str, partition: int, layout: str) -> None:
-        self.topic = topic
+    def __init__(self, config: TopicConfig, partition: int, layout: str) -> None:
+        self.config = config  # the metadata it was routed with: retention, partition count
+        self.topic = config.name
         self.partition = partition
         self.layout = layout
         self.args: list[bytes] = []
@@ -283,6 +285,7 @@ class Producer:
         self._closing = False
         self._closed = False
         self._fatal: BaseException | None = None
+        self._needs_new_identity = False
 
         self._check_acks_supported()
         self.producer_id = 0
@@ -464,10 +467,10 @@ class Producer:
                 or batch.count >= self.max_batch_messages
                 or batch.nbytes + size > self.max_batch_bytes
             ):
-                self._seal(state, partitions)
+                self._seal(state)
                 batch = None
             if batch is None:
-                batch = state.open = _Batch(topic, partition, layout)
+                batch = state.open = _Batch(config, partition, layout)
                 self._cond.notify()  # start the linger clock
             # Encoded once, here, as RESP bulk strings: the sender only joins them.
             args = batch.args
@@ -483,7 +486,7 @@ class Producer:
             batch.nbytes += size
             self._buffered += 1
             if index + 1 >= self.max_batch_messages:
-                self._seal(state, partitions)
+                self._seal(state)
         return SendFuture(batch, index)
 
     def _wait_for_buffer_space(self) -> None:
@@ -515,7 +518,7 @@ class Producer:
         with self._cond:
             state = self._partitions[(topic, future._batch.partition)]
             if state.open is future._batch:
-                self._seal(state, self._topics[topic].partitions)
+                self._seal(state)
         return future.result(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -548,7 +551,7 @@ class Producer:
             self._closed = True
 
     # -- the sender thread ---------------------------------------------------------------------
-    def _seal(self, state: _PartitionState, partitions: int) -> None:
+    def _seal(self, state: _PartitionState) -> None:
         """Freeze the open batch and give it its base sequence (lock held)."""
         batch = state.open
         if batch is None:
@@ -559,19 +562,19 @@ class Producer:
         batch.span = batch.count if self._per_message_seq else 1
         state.next_seq += batch.span
         state.unacked.append(batch)
-        self._sticky.batch_sealed(batch.topic, batch.partition, partitions)
+        self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
         self._cond.notify_all()
 
     def _seal_due(self, now: float) -> float | None:
         """Seal open batches whose linger ran out (or all, on flush); return the next deadline."""
         next_deadline = None
-        for (topic, _), state in self._partitions.items():
+        for state in self._partitions.values():
             batch = state.open
             if batch is None:
                 continue
             due = batch.created + self.linger_s
             if self._flush_requested or self._closing or due <= now:
-                self._seal(state, self._topics[topic].partitions)
+                self._seal(state)
             elif next_deadline is None or due < next_deadline:
                 next_deadline = due
         return next_deadline
@@ -582,6 +585,8 @@ class Producer:
         follow one that must be re-sent waits until they come back (they will be refused as
         OUT_OF_ORDER and re-sent after it, in order)."""
         work: list[_Batch] = []
+        if self._needs_new_identity:
+            return work
         for state in self._partitions.values():
             in_flight = 0
             seen_idle = False
@@ -609,6 +614,10 @@ class Producer:
         backoff = self.retry_backoff_s
         try:
             while True:
+                if self._needs_new_identity and not outstanding and not self._renew_identity():
+                    time.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, 1.0)
+                    continue
                 with self._cond:
                     while True:
                         next_deadline = self._seal_due(time.monotonic())
@@ -663,6 +672,25 @@ class Producer:
         finally:
             transport.close()
 
+    def _renew_identity(self) -> bool:
+        """After failed batches of unknown outcome: a new PID (or epoch), so that no later batch
+        can be taken for one of them. False if the server could not be reached."""
+        try:
+            self._init_identity()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            log.warning("cannot take a new producer id yet: %s", type(exc).__name__)
+            with self._cond:
+                self._expire_or_fail(exc)
+            return False
+        except Exception as exc:
+            with self._cond:
+                self._fail_all(exc, fatal=True)
+                self._cond.notify_all()
+            return False
+        self._needs_new_identity = False
+        log.warning("producer reset: now pid %d epoch %d", self.producer_id, self.epoch)
+        return True
+
     def _submit(self, transport: Transport, work: list[_Batch]) -> _Round:
         """Encode and write one round: per node, the batches' EVALSHA commands (behind ASKING
         after an ASK redirection), then WAIT/WAITAOF for acks="replicas"/"fsync"."""
@@ -690,7 +718,7 @@ class Producer:
 
     def _batch_command(self, batch: _Batch, log_key: str) -> bytes:
         topic, p = batch.topic, batch.partition
-        config = self._topics[topic]
+        config = batch.config
         if batch.body is None:  # encoded once: a retry writes exactly the same messages
             body = batch.args
             batch.body_count = batch.count * len(batch.layout)
@@ -896,11 +924,9 @@ class Producer:
                     state.open.finish()
                     state.open = None
             return
-        try:
-            self._init_identity()
-        except Exception as init_error:
-            self._fatal = init_error
-        log.warning("producer reset: now pid %d epoch %d", self.producer_id, self.epoch)
+        # The sender takes the new identity before it writes anything else (and keeps trying
+        # while the server is unreachable).
+        self._needs_new_identity = True
 
 
 class _Round:

@@ -34,6 +34,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def cluster_free_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is valid and free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 class ServerProcess:
     """One redis-server/valkey-server process; restartable on the same port and directory."""
 
@@ -46,6 +60,7 @@ class ServerProcess:
         config_file: str | None = None,
     ) -> None:
         self.binary = binary or valkey_binary()
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="redisq-test-server-"))
         self.config = {"save": '""', "appendonly": "no", **(config or {})}
@@ -62,6 +77,18 @@ class ServerProcess:
         return self.process.pid
 
     def start(self, timeout: float = 15.0) -> ServerProcess:
+        """Start and wait until it answers PING. A port picked by free_port() can be taken by
+        someone else before the server binds it: then try again on another free port."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                if self._fixed_port or attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> ServerProcess:
         args = [self.binary]
         if self.config_file:
             args.append(self.config_file)
@@ -124,6 +151,7 @@ def start_cluster(binary: str | None = None, masters: int = 1) -> list[ServerPro
     nodes = [
         ServerProcess(
             binary,
+            port=cluster_free_port(),
             config={
                 "cluster-enabled": "yes",
                 "cluster-config-file": "nodes.conf",
@@ -147,7 +175,9 @@ def start_cluster(binary: str | None = None, masters: int = 1) -> list[ServerPro
         for node in nodes:
             with node.client() as client:
                 info = client.execute_command("CLUSTER", "INFO").decode()
-                states.append("cluster_state:ok" in info and f"cluster_known_nodes:{masters}" in info)
+                states.append(
+                    "cluster_state:ok" in info and f"cluster_known_nodes:{masters}" in info
+                )
         if all(states):
             return nodes
         time.sleep(0.1)
