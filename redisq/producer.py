@@ -119,7 +119,7 @@ class _Batch:
         self.dup_flags: str | None = None
         self.duplicate = False
         self.error: BaseException | None = None
-        self.callbacks: list[Callable[[SendFuture], None]] | None = None
+        self.callbacks: list[tuple[int, Callable[[SendFuture], None]]] | None = None
         self.in_flight = False
         self.body: bytes | None = None
         self.body_count = 0
@@ -140,7 +140,7 @@ class _Batch:
     def finish(self) -> None:
         self.done.set()
         if self.callbacks:
-            for index, callback in self.callbacks:  # type: ignore[misc]
+            for index, callback in self.callbacks:
                 try:
                     callback(SendFuture(self, index))
                 except Exception:  # a user's callback must not stop the sender
@@ -178,7 +178,7 @@ class SendFuture:
             return
         if batch.callbacks is None:
             batch.callbacks = []
-        batch.callbacks.append((self._index, callback))  # type: ignore[arg-type]
+        batch.callbacks.append((self._index, callback))
 
 
 @dataclass
