@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
 from redisq import connection
 from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicExists, TopicNotFound
@@ -199,6 +200,33 @@ class Broker:
         self._topic_cache[topic] = (time.monotonic(), config)
         log.info("created topic %s with %d partitions", topic, partitions)
         return config
+
+    def add_partitions(self, topic: str, partitions: int) -> TopicConfig:
+        """Grow a topic to `partitions` partitions (shrinking is never allowed).
+
+        As in Kafka, keys hash to other partitions afterwards: order per key holds only among
+        messages sent with the same partition count. Producers see the new count within their
+        metadata refresh (30 s) or at once when they are created afterwards.
+        """
+        config = self.topic_config(topic, refresh=True)
+        _positive_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
+        if partitions <= config.partitions:
+            raise InvalidConfig(
+                f"partitions={partitions}: topic {topic!r} has {config.partitions}; "
+                "partitions can only be added"
+            )
+        for p in range(config.partitions, partitions):
+            self.scripts.call("create_partition", [self.keys.log(topic, p)], [])
+        try:
+            self.scripts.call(
+                "grow_topic", [self.keys.topic_meta(topic)], [partitions], topic=topic
+            )
+        except ResponseError as exc:
+            if str(exc).startswith("PARTITIONS_NOT_GREATER"):  # grown concurrently
+                raise InvalidConfig(f"topic {topic!r}: {exc}") from None
+            raise
+        log.info("topic %s grown from %d to %d partitions", topic, config.partitions, partitions)
+        return self.topic_config(topic, refresh=True)
 
     def _read_config(self, topic: str) -> TopicConfig | None:
         raw = self.client.hgetall(self.keys.topic_meta(topic))

@@ -125,6 +125,13 @@ def cmd_topic_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topic_add_partitions(args: argparse.Namespace) -> int:
+    with _connect(args) as broker:
+        config = broker.add_partitions(args.topic, args.partitions)
+        print(f"topic {config.name}: {config.partitions} partitions (keys now route differently)")
+    return 0
+
+
 def cmd_topic_list(args: argparse.Namespace) -> int:
     with _connect(args) as broker:
         for topic in broker.list_topics():
@@ -306,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     describe.add_argument("topic")
     describe.set_defaults(func=cmd_topic_describe)
+    grow = topic_sub.add_parser(
+        "add-partitions", parents=[common], help="grow a topic to N partitions"
+    )
+    grow.add_argument("topic")
+    grow.add_argument("--partitions", type=int, required=True)
+    grow.set_defaults(func=cmd_topic_add_partitions)
     listing = topic_sub.add_parser("list", parents=[common], help="list topics")
     listing.set_defaults(func=cmd_topic_list)
     delete = topic_sub.add_parser("delete", parents=[common], help="delete a topic and its data")
