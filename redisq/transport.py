@@ -11,7 +11,7 @@ behind ASKING.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -36,11 +36,32 @@ def _as_arg(value: Any) -> bytes:
 
 
 def command(
-    name: bytes, args: Iterable[Any], encoded: list[bytes] = (), encoded_count: int = 0
-) -> bytes:  # type: ignore[assignment]
+    name: bytes, args: Iterable[Any], encoded: Sequence[bytes] = (), encoded_count: int = 0
+) -> bytes:
     """A RESP command: name, then args (encoded here), then `encoded` (already bulk strings)."""
     head = [bulk(_as_arg(a)) for a in args]
     return b"".join([b"*%d\r\n" % (1 + len(head) + encoded_count), bulk(name), *head, *encoded])
+
+
+def _error_codes() -> dict[type, str]:
+    try:
+        from redis._parsers.base import BaseParser
+    except ImportError:  # pragma: no cover - redis-py < 5
+        return {}
+    classes = BaseParser.EXCEPTION_CLASSES.items()
+    return {cls: code for code, cls in classes if isinstance(cls, type)}
+
+
+_ERROR_CODES = _error_codes()
+
+
+def _restore_error_code(exc: redis.ResponseError) -> None:
+    """redis-py maps some error replies to classes (AskError, MovedError, TryAgainError,
+    ReadOnlyError, ...) and strips their code from the message: put it back, so the reply reads
+    as the server sent it ("ASK 3999 127.0.0.1:7001") wherever it is checked by its prefix."""
+    code = _ERROR_CODES.get(type(exc))
+    if code is not None and exc.args and not str(exc.args[0]).startswith(code):
+        exc.args = (f"{code} {exc.args[0]}", *exc.args[1:])
 
 
 class Redirect(Exception):
@@ -107,6 +128,7 @@ class Transport:
             try:
                 replies.append(conn.read_response())
             except redis.ResponseError as exc:
+                _restore_error_code(exc)
                 replies.append(self._redirect(exc) or exc)
         return replies
 
