@@ -19,6 +19,7 @@ from redisq.records import Message, decode_entry
 from redisq.scripts import Scripts, is_fake
 
 if TYPE_CHECKING:
+    from redisq.consumer import Consumer
     from redisq.producer import Producer
 
 log = logging.getLogger("redisq.broker")
@@ -339,6 +340,14 @@ class Broker:
         from redisq.producer import Producer
 
         return Producer(self, name=name, **options)
+
+    def consumer(
+        self, topic: str, group: str, name: str | None = None, **options: Any
+    ) -> Consumer:
+        """A member of consumer group `group` on `topic`; see `redisq.consumer.Consumer`."""
+        from redisq.consumer import Consumer
+
+        return Consumer(self, topic, group, name, **options)
 
 
 def connect(

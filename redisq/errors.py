@@ -102,6 +102,24 @@ class WorkerIdUnavailable(RedisqError):
     """No Snowflake worker id could be leased (all 1024 are held by live producers)."""
 
 
+class LeaseLost(RedisqError):
+    """This consumer no longer holds the lease on the partition: its ack or read was refused.
+
+    Another member owns the partition now (or the lease expired); nothing was changed.
+    """
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__("lease lost" + (f": {detail}" if detail else ""))
+
+
+class GroupModeMismatch(RedisqError, ValueError):
+    """A consumer asked for another mode (orderly/concurrent) than the group was created with."""
+
+
+class ConsumerClosed(RedisqError):
+    """poll(), ack() or run() after close()."""
+
+
 _OUT_OF_ORDER = re.compile(r"OUT_OF_ORDER expected=(\d+)")
 
 
@@ -116,4 +134,10 @@ def from_reply(message: str, topic: str = "?") -> RedisqError | None:
         return TopicNotFound(topic)
     if message.startswith("TOPIC_EXISTS"):
         return TopicExists(topic)
+    if message.startswith("LEASE_LOST"):
+        return LeaseLost(f"topic {topic!r} " + message.removeprefix("LEASE_LOST").strip())
+    if message.startswith("GROUP_MODE"):
+        return GroupModeMismatch(
+            f"topic {topic!r}: " + message.removeprefix("GROUP_MODE").strip()
+        )
     return None

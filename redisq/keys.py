@@ -100,3 +100,42 @@ class KeySpace:
     def partition_pattern(self, topic: str, partition: int) -> str:
         """SCAN pattern of every key of one partition."""
         return f"{self._partition(topic, partition)}:*"
+
+    # -- consumer groups ---------------------------------------------------------------------
+    def groups(self, topic: str) -> str:
+        """SET of the consumer group names of a topic (hash tag {<ns>})."""
+        return f"{self._global}:groups:{topic}"
+
+    def group_meta(self, topic: str, group: str) -> str:
+        """HASH of a group's settings: mode, start, start_id, created_ms, policy (tag {<ns>})."""
+        return f"{self._global}:group:{topic}:{group}"
+
+    def group_members(self, topic: str, group: str) -> str:
+        """ZSET member name -> server time (ms) of its last heartbeat (tag {<ns>})."""
+        return f"{self._global}:group:{topic}:{group}:members"
+
+    def lease(self, topic: str, partition: int, group: str) -> str:
+        """STRING "<token>:<member>:<granted_ms>" (PX ttl): a group's lease on a partition."""
+        return f"{self._partition(topic, partition)}:lease:{group}"
+
+    def lease_fence(self, topic: str, partition: int, group: str) -> str:
+        """INCR counter of fencing tokens, bumped on every lease grant; never expires."""
+        return f"{self._partition(topic, partition)}:fence:{group}"
+
+    def group_partition_state(self, topic: str, partition: int, group: str) -> str:
+        """HASH per (group, partition): dead_letters count, blocked offset/error/attempts."""
+        return f"{self._partition(topic, partition)}:gstate:{group}"
+
+    def parked_keys(self, topic: str, partition: int, group: str) -> str:
+        """HASH message key -> offset of the dead-lettered message that parked it."""
+        return f"{self._partition(topic, partition)}:parked:{group}"
+
+    def idempotency(self, topic: str, partition: int, scope: str, ident: str) -> str:
+        """STRING "processing:<token>" or "done" of one message for one idempotent handler."""
+        return f"{self._partition(topic, partition)}:idem:{scope}:{ident}"
+
+    # -- spark -----------------------------------------------------------------------------
+    def spark_writer(self, name: str) -> str:
+        """HASH {pid} of one Spark writer task (job or query, Spark partition): a retried task
+        looks its PID up by name, with no epoch bump, so its re-sent batches are duplicates."""
+        return f"{self._global}:spark-writer:{name}"

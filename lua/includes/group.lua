@@ -1,0 +1,39 @@
+-- includes/group.lua: shared by the consumer-group scripts (flattened into them at load time).
+
+-- ensure_group(stream, group, start_id)
+--   Creates the Redis consumer group `group` on `stream` unless it exists. start_id is "0"
+--   (earliest) or "<created_ms>-0" (latest: what was appended after the group was created).
+--   For "latest", "$" is used when nothing newer than start_id exists yet: the same position,
+--   and Redis then knows entries-read, so XINFO GROUPS can report the lag.
+--   Returns 1 if created, 0 if it existed.
+local function ensure_group(stream, group, start_id)
+  local id = start_id
+  if start_id ~= '0' then
+    local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    local last_ms, last_seq = 0, 0
+    if last[1] then
+      last_ms, last_seq = string.match(last[1][1], '^(%d+)-(%d+)$')
+    end
+    local start_ms = string.match(start_id, '^(%d+)')
+    if tonumber(last_ms) < tonumber(start_ms) then
+      id = '$'
+    end
+  end
+  local ok = redis.pcall('XGROUP', 'CREATE', stream, group, id)
+  if type(ok) == 'table' and ok.err then
+    if string.find(ok.err, 'BUSYGROUP', 1, true) then
+      return 0
+    end
+    error(ok)
+  end
+  return 1
+end
+
+-- lease_holder(lease, value): true while `lease` holds exactly `value` ("" skips the check:
+-- concurrent mode has no leases).
+local function lease_holder(lease, value)
+  if value == '' then
+    return true
+  end
+  return redis.call('GET', lease) == value
+end

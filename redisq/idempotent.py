@@ -1,0 +1,112 @@
+"""Exactly-once effects on top of at-least-once delivery: the idempotent handler helper.
+
+Per message a key holds "processing:<token>" (SET NX, ttl processing_ttl_ms) while a handler
+runs, then "done" (ttl done_ttl_ms). A redelivered message that is done is skipped; one whose
+handler raised is run again at once (the marker is deleted); one whose handler crashed is run
+again once the processing marker expires. The marker lives in the message's partition slot.
+
+The message is identified by its message id when it has one (so a business duplicate written
+twice is also skipped), else by its offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from redisq.errors import InvalidConfig
+from redisq.keys import validate_name
+from redisq.records import Message
+
+if TYPE_CHECKING:
+    from redisq.broker import Broker
+
+log = logging.getLogger("redisq.idempotent")
+
+DONE = b"done"
+
+
+def message_ident(message: Message) -> str:
+    if message.message_id is not None:
+        try:
+            return "m:" + message.message_id.decode()
+        except UnicodeDecodeError:
+            return "x:" + message.message_id.hex()
+    return "o:" + message.offset
+
+
+class IdempotentHandler:
+    """Wraps handler(message) so its effect happens once per message (see the module doc).
+
+    processing_ttl_ms must exceed the handler's longest run: past it, a duplicate delivery may
+    start while the first run is still going.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        handler: Callable[[Message], Any],
+        *,
+        scope: str,
+        done_ttl_ms: int = 24 * 3600 * 1000,
+        processing_ttl_ms: int = 60_000,
+        wait_poll_s: float = 0.05,
+    ) -> None:
+        if done_ttl_ms < 1000:
+            raise InvalidConfig(f"done_ttl_ms={done_ttl_ms} is out of range: 1000 or more")
+        if processing_ttl_ms < 100:
+            raise InvalidConfig(
+                f"processing_ttl_ms={processing_ttl_ms} is out of range: 100 or more"
+            )
+        self._broker = broker
+        self._handler = handler
+        self.scope = validate_name("scope", scope)
+        self.done_ttl_ms = done_ttl_ms
+        self.processing_ttl_ms = processing_ttl_ms
+        self._wait_poll_s = wait_poll_s
+        self.skipped = 0
+        self.ran = 0
+
+    def _claim(self, key: str, marker: str) -> bool:
+        """SET NX processing: True to run; False if the message is done (skip). While another
+        run holds the marker (live, or crashed and not yet expired) this waits."""
+        client = self._broker.client
+        while True:
+            if client.set(key, marker, nx=True, px=self.processing_ttl_ms):
+                return True
+            state = client.get(key)
+            if state == DONE:
+                return False
+            if state is not None:
+                time.sleep(self._wait_poll_s)
+
+    def __call__(self, message: Message) -> Any:
+        key = self._broker.keys.idempotency(
+            message.topic, message.partition, self.scope, message_ident(message)
+        )
+        marker = "processing:" + secrets.token_hex(8)
+        if not self._claim(key, marker):
+            self.skipped += 1
+            log.debug(
+                "skipping %s/%d@%s: done before", message.topic, message.partition, message.offset
+            )
+            return None
+        try:
+            result = self._handler(message)
+        except BaseException:
+            # release_lease.lua: delete the marker only if it is still ours.
+            self._broker.scripts.call("release_lease", [key], [marker], topic=message.topic)
+            raise
+        self._broker.client.set(key, DONE, px=self.done_ttl_ms)
+        self.ran += 1
+        return result
+
+
+def idempotent(
+    broker: Broker, handler: Callable[[Message], Any], *, scope: str, **options: Any
+) -> IdempotentHandler:
+    """`IdempotentHandler(broker, handler, scope=...)`; scope is usually the group name."""
+    return IdempotentHandler(broker, handler, scope=scope, **options)
