@@ -9,9 +9,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote
 
 import redis
 from redis.cluster import RedisCluster
@@ -21,23 +22,27 @@ from redisq.errors import UnsupportedServer
 log = logging.getLogger("redisq.connection")
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
+_PASSWORD_FIELD = re.compile(r"((?:^|[?&])[A-Za-z_]*password=)[^&]*")
 _embedded_lock = threading.Lock()
 _embedded: Any = None
 
 
 def redact_url(url: str) -> str:
-    """The url with any password replaced by ***, for logs, reprs and errors."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password is None and "@" not in parts.netloc:
+    """The url with any password (in the userinfo or a password= query field) replaced by ***,
+    for logs, reprs and errors. Works for multi-host urls (redis+sentinel://h1:26379,h2:26379/m)."""
+    if not isinstance(url, str):
+        return "<url>"
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at:
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:***@{hosts}"
+    tail = _PASSWORD_FIELD.sub(r"\1***", tail)
+    return f"{scheme}://{netloc}{slash}{tail}"
 
 
 def embedded_url() -> str:
@@ -70,6 +75,8 @@ def open_client(url: str, **options: Any) -> Any:
     cluster mode, else Redis. Responses stay bytes (values are binary)."""
     options.setdefault("decode_responses", False)
     scheme = url.split("://", 1)[0].lower()
+    if scheme in _SENTINEL_SCHEMES:
+        return open_sentinel_client(url, **options)
     if scheme in _CLUSTER_SCHEMES:
         return RedisCluster.from_url(_CLUSTER_SCHEMES[scheme] + url[len(scheme) :], **options)
     client = redis.Redis.from_url(url, **options)
@@ -84,6 +91,83 @@ def open_client(url: str, **options: Any) -> Any:
         client.close()
         return RedisCluster.from_url(url, **options)
     return client
+
+
+def open_sentinel_client(url: str, **options: Any) -> Any:
+    """The master of a Sentinel-monitored service, for
+    ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db][?options]``
+    (``rediss+sentinel://`` for TLS to the master and the sentinels).
+
+    The client asks the sentinels for the master's address on every new connection, and a
+    connection that meets READONLY (the old master, now a replica) is dropped, so the same
+    client follows a failover. user:password authenticate to the master; the query fields
+    sentinel_username / sentinel_password to the sentinels; other query fields (ssl_ca_certs,
+    socket_timeout, ...) go to redis-py like those of a redis:// url.
+    """
+    from redis.sentinel import Sentinel
+
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    segments = [s for s in path.split("/") if s]
+    if not hosts or not segments:
+        raise ValueError(
+            f"a sentinel url names hosts and a service: "
+            f"redis+sentinel://host:26379[,host2:26379]/mymaster[/db], not {redact_url(url)}"
+        )
+    sentinels = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
+        sentinels.append((name.strip("[]"), int(port or 26379)))
+    service = unquote(segments[0])
+    if len(segments) > 1:
+        options.setdefault("db", int(segments[1]))
+    if at:
+        user, _, password = userinfo.partition(":")
+        if user:
+            options.setdefault("username", unquote(user))
+        if password:
+            options.setdefault("password", unquote(password))
+    sentinel_kwargs: dict[str, Any] = {}
+    for field, value in parse_qsl(query):
+        if field in ("sentinel_username", "sentinel_password"):
+            sentinel_kwargs[field.removeprefix("sentinel_")] = value
+        elif field == "db":
+            options.setdefault("db", int(value))
+        else:
+            options.setdefault(field, _query_value(value))
+    if _SENTINEL_SCHEMES[scheme.lower()]:
+        options.setdefault("ssl", True)
+    for name in ("ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+        if name in options:
+            sentinel_kwargs.setdefault(name, options[name])
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        if name in options:
+            sentinel_kwargs.setdefault(name, options[name])
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
+    client = sentinel.master_for(service, redis_class=redis.Redis, **options)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        raise redis.ConnectionError(
+            f"cannot reach the master of {service!r} via {redact_url(url)}: {type(exc).__name__}"
+        ) from None
+    return client
+
+
+def _query_value(value: str) -> Any:
+    """Numbers and booleans of a url's query, as redis-py's from_url reads them."""
+    lowered = value.lower()
+    if lowered in ("true", "yes"):
+        return True
+    if lowered in ("false", "no"):
+        return False
+    try:
+        return float(value) if "." in value else int(value)
+    except ValueError:
+        return value
 
 
 def check_server(client: Any) -> str:

@@ -787,6 +787,7 @@ class Producer:
             extra = 1 if self.acks != "leader" else 0
             replies[node] = transport.read(node, len(round_.nodes[node]) + extra)
         progress = retry = False
+        last_error: BaseException | None = None  # named in a DeliveryTimeout
         with self._cond:
             for node, entries in round_.nodes.items():
                 node_replies = replies[node]
@@ -807,6 +808,7 @@ class Producer:
                         retry = True
                     elif isinstance(reply, Exception):
                         retry |= self._handle_error(batch, reply)
+                        last_error = reply
                     elif durable_error is not None:
                         retry = True  # written, not yet durable: the retry is answered as DUP
                     else:
@@ -814,8 +816,9 @@ class Producer:
                         progress = True
                 if durable_error is not None:
                     log.warning("acks=%s: %s", self.acks, durable_error)
+                    last_error = durable_error
             if retry:
-                self._expire_or_fail(errors.RedisqError("batches not acknowledged"))
+                self._expire_or_fail(last_error or errors.RedisqError("batches not acknowledged"))
             self._cond.notify_all()
         return progress, retry
 
