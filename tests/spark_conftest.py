@@ -1,0 +1,87 @@
+"""Fixtures of the Spark tests: one SparkSession for all of them, a broker on one backend.
+
+Imported by the tests/test_spark*.py modules (tests/conftest.py belongs to the core tests).
+get_session() is getOrCreate(), so every module shares the one session even though each
+imports the fixture.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark")
+pytest.importorskip("pyarrow")
+
+import redisq  # noqa: E402
+from tests.conftest import drop_namespace  # noqa: E402
+
+# local[2,2]: two cores, and a failed task is tried twice (spark.task.maxFailures is ignored
+# in local mode unless the master names it), which the exactly-once writer test needs.
+MASTER = "local[2,2]"
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    from spark_connector.session import get_session
+
+    session = get_session(
+        MASTER,
+        app_name="redisq-tests",
+        config={
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": "2",
+            "spark.sql.session.timeZone": "UTC",
+        },
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+
+
+@pytest.fixture
+def spark_broker(valkey_server: Any) -> Iterator[redisq.Broker]:
+    """A broker on the embedded Valkey, in a namespace of its own."""
+    broker = redisq.connect(valkey_server.url, namespace=f"s{uuid.uuid4().hex[:12]}")
+    yield broker
+    drop_namespace(broker)
+    broker.close()
+
+
+def reader(spark: Any, broker: redisq.Broker, **options: Any) -> Any:
+    """A batch DataFrame of the broker's server and namespace."""
+    builder = spark.read.format("redisq")
+    for name, value in _options(broker, options).items():
+        builder = builder.option(name, value)
+    return builder.load()
+
+
+def stream_reader(spark: Any, broker: redisq.Broker, **options: Any) -> Any:
+    builder = spark.readStream.format("redisq")
+    for name, value in _options(broker, options).items():
+        builder = builder.option(name, value)
+    return builder.load()
+
+
+def _options(broker: redisq.Broker, options: dict[str, Any]) -> dict[str, str]:
+    merged = {"url": broker_url(broker), "namespace": broker.namespace}
+    for name, value in options.items():
+        merged[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    return merged
+
+
+def broker_url(broker: redisq.Broker) -> str:
+    kwargs = broker.client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/0"
+
+
+def produce(
+    broker: redisq.Broker, topic: str, count: int, *, keys: int = 7, start: int = 0, **extra: Any
+) -> None:
+    """count messages value b"v<i>", key b"k<i % keys>", through the Python producer."""
+    with broker.producer(linger_ms=1) as producer:
+        for i in range(start, start + count):
+            producer.send_async(topic, b"v%d" % i, key=b"k%d" % (i % keys), **extra)
+        producer.flush()
