@@ -218,7 +218,10 @@ def _show(value: bytes | None) -> str:
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
-    """A simple reader (XRANGE per partition); consumer groups have their own commands."""
+    """With --group: a member of that consumer group (the real consumer: leases, acks, pending
+    entries first). Without: a simple reader (XRANGE per partition) that changes nothing."""
+    if args.group is not None:
+        return _consume_group(args)
     with _connect(args) as broker:
         config = broker.topic_config(args.topic)
         partitions = (
@@ -270,9 +273,293 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+# -- consumer groups ----------------------------------------------------------------------------
+def _consume_group(args: argparse.Namespace) -> int:
+    printed = 0
+    idle_since = time.monotonic()
+    with (
+        _connect(args) as broker,
+        broker.consumer(
+            args.topic, args.group, args.name, mode=args.mode, start=args.from_position
+        ) as consumer,
+    ):
+        while args.max is None or printed < args.max:
+            room = 1000 if args.max is None else args.max - printed
+            messages = consumer.poll(timeout=0.5, max_messages=room)
+            for message in messages:
+                print(
+                    f"{message.partition}\t{message.offset}\t{_show(message.key)}\t"
+                    f"{_show(message.value)}",
+                    flush=True,
+                )
+            if messages:
+                consumer.ack(messages)
+                printed += len(messages)
+                idle_since = time.monotonic()
+            elif args.timeout is not None and time.monotonic() - idle_since >= args.timeout:
+                break
+    return 0
+
+
+def _age(ms: int | None) -> str:
+    return "-" if ms is None else f"{ms / 1000:.1f}s"
+
+
+def cmd_group_list(args: argparse.Namespace) -> int:
+    from redisq.group import describe_group, list_groups
+
+    with _connect(args) as broker:
+        rows = []
+        for topic, group in list_groups(broker, args.topic):
+            d = describe_group(broker, topic, group)
+            lag = d.total_lag
+            rows.append(
+                (
+                    topic,
+                    group,
+                    d.mode,
+                    len(d.members),
+                    "?" if lag is None else lag,
+                    d.total_pending,
+                    d.dead_letter_messages,
+                )
+            )
+        print_table(rows, ["topic", "group", "mode", "members", "lag", "pending", "dead letters"])
+    return 0
+
+
+def cmd_group_describe(args: argparse.Namespace) -> int:
+    from redisq.group import describe_group
+
+    with _connect(args) as broker:
+        d = describe_group(broker, args.topic, args.group)
+        print(
+            f"group {d.group} on {d.topic}: mode={d.mode}, start={d.start}, policy={d.policy}, "
+            f"{len(d.members)} members, dead letters: {d.dead_letter_messages} in "
+            f"{d.dead_letter_topic}"
+        )
+        print_table(
+            [(m.name, _age(m.last_heartbeat_age_ms)) for m in d.members],
+            ["member", "last heartbeat"],
+        )
+        rows = []
+        for p in d.partitions:
+            poison = ""
+            if p.blocked_offset:
+                poison = f"BLOCKED at {p.blocked_offset} ({p.blocked_attempts}x): {p.blocked_error}"
+            rows.append(
+                (
+                    p.partition,
+                    p.owner or "-",
+                    p.lease_token,
+                    _age(p.lease_age_ms),
+                    "?" if p.lag is None else p.lag,
+                    p.entries_read,
+                    p.pending,
+                    p.last_delivered,
+                    p.dead_letters,
+                    p.parked_keys,
+                    poison,
+                )
+            )
+        print_table(
+            rows,
+            [
+                "partition",
+                "owner",
+                "token",
+                "lease age",
+                "lag",
+                "entries read",
+                "pending",
+                "last delivered",
+                "dead letters",
+                "parked keys",
+                "poison",
+            ],
+        )
+    return 0
+
+
+def cmd_group_delete(args: argparse.Namespace) -> int:
+    from redisq.group import delete_group
+
+    with _connect(args) as broker:
+        delete_group(broker, args.topic, args.group)
+        print(f"deleted group {args.group} of {args.topic}")
+    return 0
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    """Lag per group and partition; --plot writes a PNG (needs matplotlib)."""
+    from redisq.group import describe_group, list_groups
+
+    with _connect(args) as broker:
+        groups = [args.group] if args.group else [g for _t, g in list_groups(broker, args.topic)]
+        series: dict[str, list[list[int]]] = {g: [] for g in groups}
+        for sample in range(max(1, args.samples)):
+            if sample:
+                time.sleep(args.interval)
+            rows = []
+            for group in groups:
+                d = describe_group(broker, args.topic, group)
+                series[group].append([p.lag or 0 for p in d.partitions])
+                for p in d.partitions:
+                    rows.append(
+                        (
+                            group,
+                            p.partition,
+                            "?" if p.lag is None else p.lag,
+                            p.pending,
+                            p.owner or "-",
+                            p.dead_letters,
+                            "yes" if p.blocked_offset else "",
+                        )
+                    )
+            print_table(
+                rows, ["group", "partition", "lag", "pending", "owner", "dead letters", "blocked"]
+            )
+        if args.plot:
+            return _plot_lag(args.topic, series, args.interval, args.plot)
+    return 0
+
+
+def _plot_lag(topic: str, series: dict[str, list[list[int]]], interval: float, path: str) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("redisq: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    samples = max((len(s) for s in series.values()), default=0)
+    if samples <= 1:  # one moment: bars per partition, one colour per group
+        width = 0.8 / max(1, len(series))
+        for i, (group, rows) in enumerate(series.items()):
+            lags = rows[-1] if rows else []
+            ax.bar([p + i * width for p in range(len(lags))], lags, width, label=group)
+        ax.set_xlabel("partition")
+    else:  # lag over time, one line per (group, partition)
+        for group, rows in series.items():
+            for p in range(len(rows[0])):
+                ax.plot(
+                    [i * interval for i in range(len(rows))],
+                    [r[p] for r in rows],
+                    label=f"{group} p{p}",
+                )
+        ax.set_xlabel("seconds")
+    ax.set_ylabel("lag (messages)")
+    ax.set_title(f"consumer lag on {topic}")
+    if series:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_dlq_list(args: argparse.Namespace) -> int:
+    from redisq.deadletter import list_dead_letters
+
+    with _connect(args) as broker:
+        letters = list_dead_letters(broker, args.topic, args.group, count=args.max)
+        rows = [
+            (
+                d.message.offset,
+                f"{d.partition}@{d.offset}",
+                _show(d.message.key),
+                d.attempts,
+                d.error[:80],
+                _show(d.message.value)[:40],
+            )
+            for d in letters
+        ]
+        print_table(rows, ["dlq offset", "from", "key", "attempts", "error", "value"])
+    return 0
+
+
+def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    from redisq.deadletter import replay_dead_letters
+
+    if not args.all and not args.offset and args.key is None:
+        print("redisq: dlq replay needs --all, --offset or --key", file=sys.stderr)
+        return 2
+    with _connect(args) as broker:
+        count = replay_dead_letters(
+            broker,
+            args.topic,
+            args.group,
+            offsets=args.offset or None,
+            key=args.key.encode() if args.key is not None else None,
+            to_topic=args.to,
+        )
+        print(f"replayed {count} dead letters to {args.to or args.topic}")
+    return 0
+
+
+def cmd_dlq_release(args: argparse.Namespace) -> int:
+    from redisq.deadletter import release_key
+
+    with _connect(args) as broker:
+        count = release_key(broker, args.topic, args.group, args.key)
+        print(f"released key {args.key!r} on {count} partition(s)")
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------------
 def _add_consumer_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Consumer-group commands: group, lag, dlq."""
+    group = sub.add_parser("group", help="consumer groups: list, describe, delete")
+    group_sub = group.add_subparsers(dest="group_command", required=True)
+    listing = group_sub.add_parser("list", parents=[common], help="groups with lag and pending")
+    listing.add_argument("topic", nargs="?", default=None)
+    listing.set_defaults(func=cmd_group_list)
+    describe = group_sub.add_parser(
+        "describe", parents=[common], help="members; per partition owner, lease, lag, poison"
+    )
+    describe.add_argument("topic")
+    describe.add_argument("group")
+    describe.set_defaults(func=cmd_group_describe)
+    delete = group_sub.add_parser("delete", parents=[common], help="forget a group")
+    delete.add_argument("topic")
+    delete.add_argument("group")
+    delete.set_defaults(func=cmd_group_delete)
+
+    lag = sub.add_parser("lag", parents=[common], help="lag per group and partition")
+    lag.add_argument("topic")
+    lag.add_argument("group", nargs="?", default=None, help="default: every group of the topic")
+    lag.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG plot")
+    lag.add_argument("--samples", type=int, default=1, help="sample this many times")
+    lag.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    lag.set_defaults(func=cmd_lag)
+
+    dlq = sub.add_parser("dlq", help="dead letters: list, replay, release a parked key")
+    dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
+    dlq_list = dlq_sub.add_parser("list", parents=[common], help="a group's dead letters")
+    dlq_list.add_argument("topic")
+    dlq_list.add_argument("group")
+    dlq_list.add_argument("--max", type=int, default=None)
+    dlq_list.set_defaults(func=cmd_dlq_list)
+    replay = dlq_sub.add_parser(
+        "replay", parents=[common], help="send dead letters back to the topic, then drop them"
+    )
+    replay.add_argument("topic")
+    replay.add_argument("group")
+    replay.add_argument("--all", action="store_true")
+    replay.add_argument("--offset", action="append", help="a dead-letter offset (repeatable)")
+    replay.add_argument("--key", default=None, help="only dead letters of this key")
+    replay.add_argument("--to", default=None, help="another target topic")
+    replay.set_defaults(func=cmd_dlq_replay)
+    release = dlq_sub.add_parser(
+        "release", parents=[common], help="release a key parked by failure_policy=park_key"
+    )
+    release.add_argument("topic")
+    release.add_argument("group")
+    release.add_argument("key")
+    release.set_defaults(func=cmd_dlq_release)
 
 
 def _add_spark_commands(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -350,6 +637,21 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--partition", type=int, default=None)
     consume.add_argument("--start", default="-", help="first offset (stream ID), default: earliest")
     consume.add_argument("--max", type=int, default=None, help="stop after this many messages")
+    consume.add_argument(
+        "--group", default=None, help="consume as a member of this group (acks what it prints)"
+    )
+    consume.add_argument("--name", default=None, help="member name (with --group)")
+    consume.add_argument("--mode", choices=["orderly", "concurrent"], default="orderly")
+    consume.add_argument(
+        "--from",
+        dest="from_position",
+        choices=["earliest", "latest"],
+        default="earliest",
+        help="where a new group starts",
+    )
+    consume.add_argument(
+        "--timeout", type=float, default=None, help="with --group: stop after this many idle s"
+    )
     consume.set_defaults(func=cmd_consume)
 
     server = sub.add_parser(

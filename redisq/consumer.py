@@ -515,11 +515,20 @@ class Consumer:
         if part.finished.is_set():
             return
         try:
-            if not part.lost and not self._abandoned:
+            if not self._abandoned:
+                # Even when the lease looks lost, send the acks: Redis decides (a fenced ack
+                # changes nothing), and a renewal that merely failed to arrive loses nothing.
                 self._flush_acks(part)
-                if part.lease is not None and self.membership.release_lease(part.lease):
+                if (
+                    not part.lost
+                    and part.lease is not None
+                    and self.membership.release_lease(part.lease)
+                ):
                     log.info("%s: released partition %d", self.name, part.number)
-        except (LeaseLost, redis.RedisError) as exc:
+        except LeaseLost:
+            self.stats.fenced_acks += 1
+            log.warning("%s: partition %d: acks refused, the lease is lost", self.name, part.number)
+        except redis.RedisError as exc:
             log.warning("%s: releasing partition %d: %s", self.name, part.number, exc)
         finally:
             part.finished.set()

@@ -1,0 +1,458 @@
+"""Consumer groups in one process, on every backend: API, leases and fencing, rebalancing,
+failure policies, dead letters, the idempotent helper, observability and the CLI commands."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import pytest
+
+import redisq
+from redisq import cli
+from redisq.deadletter import (
+    dead_letter_topic,
+    list_dead_letters,
+    release_key,
+    replay_dead_letters,
+)
+from redisq.errors import ConsumerClosed, GroupModeMismatch, InvalidConfig, LeaseLost
+from redisq.group import assign_partitions, describe_group, list_groups
+
+FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
+
+
+def produce(broker: redisq.Broker, topic: str, keys: int, per_key: int) -> None:
+    with broker.producer() as producer:
+        for n in range(per_key):
+            for k in range(keys):
+                producer.send_async(topic, json.dumps({"k": k, "n": n}), key=f"key{k}")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Recorder:
+    """A handler that records (key, n) per call and checks per-key order and exclusivity."""
+
+    def __init__(self, sleep: float = 0.0, fail: Callable[[dict[str, int]], bool] | None = None):
+        self.sleep = sleep
+        self.fail = fail
+        self.lock = threading.Lock()
+        self.done: dict[int, list[int]] = defaultdict(list)
+        self.calls: list[tuple[int, int, int]] = []  # (key, n, attempt)
+        self.running: dict[int, int] = defaultdict(int)  # partition -> handlers running
+        self.overlaps = 0
+
+    def __call__(self, message: redisq.Message) -> None:
+        record = json.loads(message.value)
+        with self.lock:
+            self.calls.append((record["k"], record["n"], message.attempt))
+            self.running[message.partition] += 1
+            if self.running[message.partition] > 1:
+                self.overlaps += 1
+        try:
+            if self.sleep:
+                time.sleep(self.sleep)
+            if self.fail is not None and self.fail(record):
+                raise RuntimeError(f"cannot handle key{record['k']}#{record['n']}")
+            with self.lock:
+                self.done[record["k"]].append(record["n"])
+        finally:
+            with self.lock:
+                self.running[message.partition] -= 1
+
+    def handled(self) -> int:
+        with self.lock:
+            return sum(len(v) for v in self.done.values())
+
+
+def run_in_thread(
+    consumer: redisq.consumer.Consumer, handler: Callable, **kw: object
+) -> threading.Thread:
+    thread = threading.Thread(target=consumer.run, args=(handler,), kwargs=kw, daemon=True)
+    thread.start()
+    return thread
+
+
+# -- pure --------------------------------------------------------------------------------------
+def test_assignment_is_averaged_and_total() -> None:
+    members = ["c", "a", "b"]
+    got = {m: assign_partitions(8, members, m) for m in members}
+    assert got == {"a": [0, 1, 2], "b": [3, 4, 5], "c": [6, 7]}
+    for n in range(1, 20):
+        for m in range(1, 7):
+            names = [f"m{i}" for i in range(m)]
+            parts = [p for name in names for p in assign_partitions(n, names, name)]
+            assert sorted(parts) == list(range(n))
+    assert assign_partitions(4, ["a"], "zz") == []
+
+
+def test_parameters_are_validated(broker: redisq.Broker) -> None:
+    broker.create_topic("t")
+    with pytest.raises(InvalidConfig, match="mode="):
+        broker.consumer("t", "g", mode="fast")
+    with pytest.raises(InvalidConfig, match="park_key"):
+        broker.consumer("t", "g", mode="concurrent", failure_policy="park_key")
+    with pytest.raises(InvalidConfig, match="lease_ttl_ms=10"):
+        broker.consumer("t", "g", lease_ttl_ms=10)
+    with pytest.raises(redisq.InvalidName):
+        broker.consumer("t", "bad:group")
+    with pytest.raises(redisq.TopicNotFound):
+        broker.consumer("missing", "g")
+
+
+# -- orderly run -------------------------------------------------------------------------------
+def test_run_orderly_handles_everything_in_key_order(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=4)
+    produce(broker, "orders", keys=10, per_key=30)
+    recorder = Recorder()
+    with broker.consumer("orders", "billing", **FAST) as consumer:
+        handled = consumer.run(recorder, idle_timeout=1.5)
+    assert handled == 300 == recorder.handled()
+    assert all(ns == list(range(30)) for ns in recorder.done.values())
+    assert recorder.overlaps == 0
+    description = describe_group(broker, "orders", "billing")
+    assert description.total_lag == 0 and description.total_pending == 0
+    assert description.mode == "orderly" and description.members == []
+    assert all(p.owner is None for p in description.partitions)  # leases released on close
+    # XINFO GROUPS tells the same story as describe.
+    info = broker.client.xinfo_groups(broker.keys.log("orders", 0))
+    assert [g["name"] for g in info] == [b"billing"] and info[0]["pending"] == 0
+
+
+def test_key_concurrency_keeps_each_key_in_order(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=8, per_key=10)
+    recorder = Recorder(sleep=0.005)
+    active, peak = [0], [0]
+    lock = threading.Lock()
+
+    def handler(message: redisq.Message) -> None:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            recorder(message)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    with broker.consumer("orders", "g", key_concurrency=4, **FAST) as consumer:
+        consumer.run(handler, idle_timeout=1.5)
+    assert recorder.handled() == 80
+    assert all(ns == list(range(10)) for ns in recorder.done.values())
+    assert peak[0] > 1  # different keys of one partition ran in parallel
+
+
+def test_start_latest_skips_what_was_there(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=2)
+    produce(broker, "orders", keys=4, per_key=5)
+    recorder = Recorder()
+    consumer = broker.consumer("orders", "late", start="latest", **FAST)
+    thread = run_in_thread(consumer, recorder)
+    time.sleep(0.5)
+    with broker.producer() as producer:
+        producer.send("orders", json.dumps({"k": 99, "n": 0}), key="fresh")
+    wait_until(lambda: recorder.handled() == 1, what="the new message")
+    time.sleep(0.3)
+    consumer.close()
+    thread.join(10)
+    assert dict(recorder.done) == {99: [0]}
+
+
+# -- poll / ack and fencing ----------------------------------------------------------------------
+def test_poll_gates_a_partition_until_acked(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=1, per_key=10)
+    with broker.consumer("orders", "g", **FAST) as consumer:
+        first = consumer.poll(timeout=10, max_messages=4)
+        assert [json.loads(m.value)["n"] for m in first] == [0, 1, 2, 3]
+        assert consumer.poll(timeout=0.3) == []  # orderly: nothing more until acked
+        assert consumer.ack(first) == 4
+        rest = consumer.poll(timeout=10, max_messages=100)
+        assert [json.loads(m.value)["n"] for m in rest] == list(range(4, 10))
+        consumer.ack(*rest)
+        with pytest.raises(InvalidConfig):
+            consumer.run(lambda m: None)
+    with pytest.raises(ConsumerClosed):
+        consumer.poll()
+
+
+def test_fenced_ack_raises_lease_lost_and_changes_nothing(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=1, per_key=3)
+    stream = broker.keys.log("orders", 0)
+    with broker.consumer("orders", "g", **FAST) as consumer:
+        messages = consumer.poll(timeout=10)
+        assert len(messages) == 3
+        # Another grant takes the lease (as if ours expired while we were paused).
+        lease_key = broker.keys.lease("orders", 0, "g")
+        broker.client.delete(lease_key)
+        broker.client.set(lease_key, "999:intruder:0", px=60_000)
+        with pytest.raises(LeaseLost):
+            consumer.ack(messages)
+        assert broker.client.xpending(stream, "g")["pending"] == 3  # nothing was acked
+        with pytest.raises(LeaseLost):  # and the partition stays lost for this member
+            consumer.ack(messages[0])
+        broker.client.delete(lease_key)
+
+
+def test_lease_scripts_fence_reads_and_bump_tokens(broker: redisq.Broker) -> None:
+    from redisq.group import GroupMembership
+
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=1, per_key=2)
+
+    def member(name: str) -> GroupMembership:
+        m = GroupMembership(
+            broker,
+            "orders",
+            "g",
+            name,
+            mode="orderly",
+            start="earliest",
+            policy="dead_letter",
+            lease_ttl_ms=500,
+            session_timeout_ms=500,
+        )
+        m.join()
+        return m
+
+    a, b = member("a"), member("b")
+    lease_a = a.acquire_lease(0)
+    assert lease_a is not None and b.acquire_lease(0) is None
+    assert a.renew_lease(lease_a)
+    keys = [broker.keys.log("orders", 0), broker.keys.lease("orders", 0, "g")]
+    time.sleep(0.7)  # a's lease expires
+    lease_b = b.acquire_lease(0)
+    assert lease_b is not None and lease_b.token == lease_a.token + 1
+    assert not a.renew_lease(lease_a) and not a.release_lease(lease_a)
+    with pytest.raises(LeaseLost):
+        broker.scripts.call("read_partition", keys, ["g", "a", lease_a.value, 10], topic="orders")
+    with pytest.raises(LeaseLost):
+        broker.scripts.call("claim_pending", keys, ["g", "a", lease_a.value, "0-0", 10, 0])
+    _acked, _tail, entries = broker.scripts.call(
+        "read_partition", keys, ["g", "b", lease_b.value, 10], topic="orders"
+    )
+    assert len(entries) == 2
+    assert b.release_lease(lease_b)
+
+
+# -- rebalancing -------------------------------------------------------------------------------
+def test_join_and_leave_rebalance_without_overlap(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=4)
+    produce(broker, "orders", keys=16, per_key=15)
+    recorder = Recorder(sleep=0.004)
+    first = broker.consumer("orders", "g", "first", **FAST)
+    t1 = run_in_thread(first, recorder)
+    wait_until(lambda: recorder.handled() >= 40, what="first member going")
+    second = broker.consumer("orders", "g", "second", **FAST)
+    t2 = run_in_thread(second, recorder)
+    wait_until(lambda: len(second.assignment) == 2, what="second member gets half")
+    assert len(first.assignment) == 2 and not set(first.assignment) & set(second.assignment)
+    first.close()  # a clean leave: second takes everything without waiting for the ttl
+    t1.join(10)
+    wait_until(lambda: len(second.assignment) == 4, what="second member takes over")
+    wait_until(
+        lambda: all(sorted(set(recorder.done[k])) == list(range(15)) for k in range(16)),
+        what="everything handled",
+    )
+    second.close()
+    t2.join(10)
+    assert recorder.overlaps == 0
+    assert all(sorted(set(ns)) == list(range(15)) for ns in recorder.done.values())
+    for ns in recorder.done.values():  # each key in order, repeats only as redeliveries
+        assert ns == sorted(ns)
+
+
+def test_crashed_member_pending_entries_go_first(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=1, per_key=6)
+    victim = broker.consumer("orders", "g", "victim", **FAST)
+    got = victim.poll(timeout=10, max_messages=3)
+    assert [json.loads(m.value)["n"] for m in got] == [0, 1, 2]
+    victim._simulate_crash()  # no ack, no release, no leave
+    recorder = Recorder()
+    started = time.monotonic()
+    with broker.consumer("orders", "g", "heir", **FAST) as heir:
+        heir.run(recorder, idle_timeout=3.0)
+    assert recorder.done[0] == [0, 1, 2, 3, 4, 5]  # the crashed member's entries first, in order
+    assert [a for _k, n, a in recorder.calls if n < 3] == [2, 2, 2]  # delivered twice
+    assert time.monotonic() - started < 30
+
+
+# -- failures ----------------------------------------------------------------------------------
+def test_poison_message_reaches_the_dead_letter_topic(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=2)
+    produce(broker, "orders", keys=2, per_key=5)
+    recorder = Recorder(fail=lambda r: r["k"] == 0 and r["n"] == 2)
+    with broker.consumer("orders", "g", max_attempts=3, **FAST) as consumer:
+        consumer.run(recorder, idle_timeout=1.5)
+    assert [a for k, n, a in recorder.calls if (k, n) == (0, 2)] == [1, 2, 3]
+    assert recorder.done[0] == [0, 1, 3, 4] and recorder.done[1] == list(range(5))
+    letters = list_dead_letters(broker, "orders", "g")
+    assert len(letters) == 1
+    letter = letters[0]
+    assert letter.attempts == 3 and "cannot handle key0#2" in letter.error
+    assert letter.topic == "orders" and letter.group == "g" and letter.message.key == b"key0"
+    assert json.loads(letter.message.value) == {"k": 0, "n": 2}
+    description = describe_group(broker, "orders", "g")
+    assert description.dead_letter_messages == 1
+    assert sum(p.dead_letters for p in description.partitions) == 1
+    assert description.dead_letter_topic == dead_letter_topic("orders", "g") == "orders.g.dlq"
+    # Replay: back to the topic, out of the dead-letter topic.
+    assert replay_dead_letters(broker, "orders", "g") == 1
+    assert list_dead_letters(broker, "orders", "g") == []
+    recorder2 = Recorder()
+    with broker.consumer("orders", "g", **FAST) as consumer:
+        consumer.run(recorder2, idle_timeout=1.5)
+    assert dict(recorder2.done) == {0: [2]}
+
+
+def test_park_key_holds_that_key_and_lets_others_go(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=3, per_key=6)
+    recorder = Recorder(fail=lambda r: r["k"] == 1 and r["n"] == 1)
+    consumer = broker.consumer("orders", "g", max_attempts=2, failure_policy="park_key", **FAST)
+    thread = run_in_thread(consumer, recorder)
+    wait_until(
+        lambda: recorder.done[0] == list(range(6)) and recorder.done[2] == list(range(6)),
+        what="other keys done",
+    )
+    assert recorder.done[1] == [0]  # key1 parked at #1: #2..#5 held
+    description = describe_group(broker, "orders", "g")
+    assert description.partitions[0].parked_keys == 1
+    assert description.partitions[0].pending == 4  # the held ones stay pending
+    recorder.fail = None
+    assert release_key(broker, "orders", "g", "key1") == 1
+    wait_until(lambda: recorder.done[1] == [0, 2, 3, 4, 5], what="held messages after release")
+    consumer.close()
+    thread.join(10)
+    assert len(list_dead_letters(broker, "orders", "g")) == 1
+
+
+def test_block_policy_shows_the_poison_message(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=1, per_key=3)
+    recorder = Recorder(fail=lambda r: r["n"] == 1)
+    consumer = broker.consumer("orders", "g", max_attempts=2, failure_policy="block", **FAST)
+    thread = run_in_thread(consumer, recorder)
+    wait_until(
+        lambda: describe_group(broker, "orders", "g").partitions[0].blocked_offset is not None,
+        what="blocked state",
+    )
+    part = describe_group(broker, "orders", "g").partitions[0]
+    assert part.blocked_attempts >= 2 and "cannot handle" in (part.blocked_error or "")
+    assert recorder.done[0] == [0]
+    recorder.fail = None  # the cause is fixed: the partition goes on by itself
+    wait_until(lambda: recorder.done[0] == [0, 1, 2], what="unblocked")
+    consumer.close()
+    thread.join(10)
+    assert describe_group(broker, "orders", "g").partitions[0].blocked_offset is None
+
+
+def test_idempotent_helper_skips_done_and_reruns_failed(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    produce(broker, "orders", keys=1, per_key=3)
+    effects: list[int] = []
+    fail_once = {1}
+
+    def effect(message: redisq.Message) -> None:
+        n = json.loads(message.value)["n"]
+        if n in fail_once:
+            fail_once.discard(n)
+            raise RuntimeError("transient")
+        effects.append(n)
+
+    consumer = broker.consumer("orders", "g", **FAST)
+    handler = consumer.idempotent(effect, processing_ttl_ms=500)
+    messages = consumer.poll(timeout=10)
+    for message in messages:
+        try:
+            handler(message)
+        except RuntimeError:
+            handler(message)  # the failed run left no marker: it runs again
+    for message in messages:  # a redelivery of everything: all done, all skipped
+        handler(message)
+    assert effects == [0, 1, 2] and handler.skipped == 3 and handler.ran == 3
+    consumer.ack(messages)
+    consumer.close()
+
+
+# -- concurrent mode ---------------------------------------------------------------------------
+def test_concurrent_members_compete_and_reclaim_idle_entries(broker: redisq.Broker) -> None:
+    broker.create_topic("jobs", partitions=2)
+    produce(broker, "jobs", keys=4, per_key=25)
+    victim = broker.consumer("jobs", "w", "victim", mode="concurrent", **FAST)
+    wait_until(lambda: len(victim.assignment) == 2, what="victim reads")
+    taken = victim.poll(timeout=10, max_messages=10)
+    assert taken
+    victim._simulate_crash()
+    recorder = Recorder()
+    a = broker.consumer("jobs", "w", "a", mode="concurrent", claim_idle_ms=500, **FAST)
+    b = broker.consumer("jobs", "w", "b", mode="concurrent", claim_idle_ms=500, **FAST)
+    ta, tb = run_in_thread(a, recorder), run_in_thread(b, recorder)
+    wait_until(lambda: recorder.handled() >= 100, what="all jobs, including reclaimed ones")
+    a.close()
+    b.close()
+    ta.join(10)
+    tb.join(10)
+    assert all(sorted(set(ns)) == list(range(25)) for ns in recorder.done.values())
+    with pytest.raises(GroupModeMismatch):
+        broker.consumer("jobs", "w", mode="orderly")
+
+
+# -- observability and CLI ---------------------------------------------------------------------
+def test_describe_shows_owner_lease_and_lag(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=2)
+    produce(broker, "orders", keys=4, per_key=5)
+    with broker.consumer("orders", "g", "solo", **FAST) as consumer:
+        wait_until(lambda: len(consumer.assignment) == 2, what="leases")
+        description = describe_group(broker, "orders", "g")
+        assert [m.name for m in description.members] == ["solo"]
+        assert {p.owner for p in description.partitions} == {"solo"}
+        assert all(
+            p.lease_age_ms is not None and p.lease_age_ms >= 0 for p in description.partitions
+        )
+        assert description.total_lag == 20
+        assert list_groups(broker, "orders") == [("orders", "g")]
+
+
+def test_cli_group_lag_dlq(
+    broker: redisq.Broker, server_url: str, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    broker.create_topic("orders", partitions=2)
+    produce(broker, "orders", keys=2, per_key=3)
+    recorder = Recorder(fail=lambda r: r["n"] == 0)
+    with broker.consumer("orders", "g", max_attempts=1, **FAST) as consumer:
+        consumer.run(recorder, idle_timeout=1.5)
+    base = ["--url", server_url, "--namespace", broker.namespace]
+    assert cli.main(["group", "list", *base]) == 0
+    assert "orders" in capsys.readouterr().out
+    assert cli.main(["group", "describe", "orders", "g", *base]) == 0
+    out = capsys.readouterr().out
+    assert "dead letters" in out and "orders.g.dlq" in out
+    plot = tmp_path / "lag.png"
+    assert cli.main(["lag", "orders", *base, "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "lag" in out
+    assert cli.main(["dlq", "list", "orders", "g", *base]) == 0
+    out = capsys.readouterr().out
+    assert out.count("RuntimeError") == 2
+    assert cli.main(["dlq", "replay", "orders", "g", "--all", *base]) == 0
+    assert "replayed 2" in capsys.readouterr().out
+    assert (
+        cli.main(["consume", "orders", "--group", "g", "--max", "2", "--timeout", "10", *base]) == 0
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
