@@ -24,6 +24,9 @@ from redisq.errors import (
     TopicNotFound,
     UnsupportedServer,
 )
+from redisq.consumer import Consumer
+from redisq.errors import LeaseLost
+from redisq.idempotent import idempotent
 from redisq.partitioner import partition_for_key
 from redisq.producer import Producer, SendFuture
 from redisq.records import Message, RecordMetadata
@@ -32,9 +35,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Broker",
+    "Consumer",
     "DeliveryTimeout",
     "InvalidConfig",
     "InvalidName",
+    "LeaseLost",
     "Message",
     "MessageTooLarge",
     "NotEnoughReplicas",
@@ -54,5 +59,6 @@ __all__ = [
     "UnsupportedServer",
     "connect",
     "errors",
+    "idempotent",
     "partition_for_key",
 ]

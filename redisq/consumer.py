@@ -41,7 +41,7 @@ from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost
 from redisq.group import MODES, STARTS, GroupMembership, Lease, assign_partitions
 from redisq.idempotent import IdempotentHandler
 from redisq.keys import validate_name
-from redisq.records import Message, decode_entry
+from redisq.records import Message, decode_headers
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -552,17 +552,40 @@ class Consumer:
     def _decode(
         self, partition: int, entries: list[Any], deliveries: list[Any] | None = None
     ) -> list[Message]:
+        """Stream entries as Messages. The hot path of reading: Message is built positionally
+        from the fields (as records.decode_entry does, without its per-entry overhead)."""
         topic = self.topic
         messages = []
+        append = messages.append
         for i, (entry_id, flat) in enumerate(entries):
             if isinstance(flat, dict):
                 fields = flat
             else:
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            message = decode_entry(topic, partition, entry_id, fields)
-            if deliveries is not None and int(deliveries[i]) > 1:
-                message = replace(message, attempt=int(deliveries[i]))
-            messages.append(message)
+                it = iter(flat)
+                fields = dict(zip(it, it, strict=True))
+            offset = entry_id.decode() if type(entry_id) is bytes else str(entry_id)
+            get = fields.get
+            blob = get(b"h")
+            producer_id = get(b"p")
+            sequence = get(b"s")
+            attempt = 1
+            if deliveries is not None:
+                attempt = max(1, int(deliveries[i]))
+            append(
+                Message(
+                    topic,
+                    partition,
+                    offset,
+                    get(b"k"),
+                    get(b"v", b""),
+                    decode_headers(blob) if blob else {},
+                    int(offset[: offset.index("-")]),
+                    int(producer_id) if producer_id is not None else None,
+                    int(sequence) if sequence is not None else None,
+                    get(b"m"),
+                    attempt,
+                )
+            )
         return messages
 
     def _claim_pending(self, part: _Partition, count: int, min_idle_ms: int = 0) -> list[Message]:
@@ -793,12 +816,47 @@ class Consumer:
         if self.key_concurrency > 1 and len(messages) > 1:
             self._handle_in_lanes(part, messages)
             return
-        for message in messages:
-            if self.mode == "orderly" and not self._may_handle(part):
-                raise _Stop
-            if self._stopping.is_set() and self.mode == "concurrent":
-                raise _Stop
-            self._handle_message(part, message)
+        # The one-lane hot path: per message one clock read, the ownership check, the handler
+        # and an append; acks go out with the next read, or when ack_interval has passed.
+        handler = self._handler
+        assert handler is not None
+        stopping = self._stopping
+        unacked = part.unacked
+        limit = part.deadline - self._margin_s
+        handled = 0
+        try:
+            for message in messages:
+                now = time.monotonic()
+                if now >= limit:
+                    limit = part.deadline - self._margin_s  # the coordinator may have renewed
+                    if now >= limit:
+                        raise _Stop
+                if part.revoked or part.lost or stopping.is_set():
+                    raise _Stop
+                if part.parked and message.key in part.parked:
+                    part.held[message.key].append(message)  # pending until the key is released
+                    continue
+                try:
+                    handler(message)
+                except Exception as exc:
+                    if not self._handle_failure(part, message, exc):
+                        continue  # dead-lettered: acked by the dead_letter script
+                if not unacked:
+                    part.unacked_since = now
+                unacked.append(message.offset)
+                handled += 1
+                if (
+                    len(unacked) >= MAX_IDS_PER_CALL
+                    or now - part.unacked_since >= self._ack_interval_s
+                ):
+                    self._flush_acks(part)
+                    unacked = part.unacked
+        finally:
+            if handled:
+                self.stats.handled += handled
+                self._last_handled = time.monotonic()
+                if part.blocked_offset is not None:
+                    self._clear_blocked(part)
 
     def _handle_in_lanes(self, part: _Partition, messages: list[Message]) -> None:
         """key_concurrency lanes: a key always maps to the same lane, so each key stays in order
@@ -826,56 +884,66 @@ class Consumer:
             raise stop
 
     def _handle_message(self, part: _Partition, message: Message) -> None:
-        """handler(message) with retries; then queue its ack, or apply the failure policy."""
+        """One message in a key_concurrency lane: handler, then queue its ack (under the lock:
+        lanes share the partition's ack list)."""
         if message.key is not None and message.key in part.parked:
-            part.held[message.key].append(message)  # stays pending until the key is released
+            with self._lock:
+                part.held[message.key].append(message)
             return
         handler = self._handler
         assert handler is not None
-        attempt = message.attempt
-        while True:
-            try:
-                handler(message)
-                break
-            except Exception as exc:
-                self.stats.failures += 1
-                if attempt >= self.max_attempts and self.failure_policy != "block":
-                    self._dead_letter(
-                        part, message, exc, attempt, park=self.failure_policy == "park_key"
-                    )
-                    return
-                if attempt >= self.max_attempts:
-                    self._mark_blocked(part, message, exc, attempt)
-                delay = self._backoff(attempt)
-                log.warning(
-                    "%s: %s/%d@%s attempt %d failed (%s: %s); retrying in %.2fs",
-                    self.name,
-                    self.topic,
-                    part.number,
-                    message.offset,
-                    attempt,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                self._sleep_while_owned(part, delay)
-                attempt += 1
-                self.stats.retries += 1
-                message = replace(message, attempt=attempt)
+        try:
+            handler(message)
+        except Exception as exc:
+            if not self._handle_failure(part, message, exc):
+                return
         self.stats.handled += 1
         self._last_handled = time.monotonic()
-        if part.blocked_offset is not None:
-            self._clear_blocked(part)
         with self._lock:
             if not part.unacked:
                 part.unacked_since = time.monotonic()
             part.unacked.append(message.offset)
-            due = (
-                len(part.unacked) >= MAX_IDS_PER_CALL
-                or time.monotonic() - part.unacked_since >= self._ack_interval_s
+
+    def _handle_failure(self, part: _Partition, message: Message, error: Exception) -> bool:
+        """Retry with backoff until the handler succeeds (True: ack it) or max_attempts is
+        reached and the policy dead-letters it (False: already acked by the dead_letter script).
+        Policy block retries forever, showing the message as blocked."""
+        handler = self._handler
+        assert handler is not None
+        attempt = message.attempt
+        while True:
+            self.stats.failures += 1
+            if attempt >= self.max_attempts and self.failure_policy != "block":
+                self._dead_letter(
+                    part, message, error, attempt, park=self.failure_policy == "park_key"
+                )
+                return False
+            if attempt >= self.max_attempts:
+                self._mark_blocked(part, message, error, attempt)
+            delay = self._backoff(attempt)
+            log.warning(
+                "%s: %s/%d@%s attempt %d failed (%s: %s); retrying in %.2fs",
+                self.name,
+                self.topic,
+                part.number,
+                message.offset,
+                attempt,
+                type(error).__name__,
+                error,
+                delay,
             )
-        if due and self.key_concurrency == 1:
-            self._flush_acks(part)
+            self._sleep_while_owned(part, delay)
+            attempt += 1
+            self.stats.retries += 1
+            message = replace(message, attempt=attempt)
+            try:
+                handler(message)
+            except Exception as exc:
+                error = exc
+                continue
+            if part.blocked_offset is not None:
+                self._clear_blocked(part)
+            return True
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with equal jitter: half fixed, half random."""

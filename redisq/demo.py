@@ -5,6 +5,9 @@
 2. A check reads every partition back and prints whether every key's messages are there once
    each, in the order they were sent.
 3. message_id mode: the same business ids sent twice are written once.
+4. An orderly consumer group of three members reads the topic; one member is lost mid-way
+   (it stops without acking or releasing its leases); the others take its partitions over once
+   its leases expire, and a check prints that per-key order held and every message was handled.
 """
 
 from __future__ import annotations
@@ -141,6 +144,88 @@ def message_id_dedup(url: str | None, namespace: str) -> tuple[int, int]:
     return same_offsets, total
 
 
+def consume_with_lost_member(
+    url: str | None, namespace: str, sent_per_key: dict[str, int], lease_ttl_ms: int = 2000
+) -> dict[str, Any]:
+    """Three orderly members in threads; member 0 is lost after a third of the messages.
+
+    The log of handler starts and ends is one list under one lock, so its order is the real
+    order: a start of (key, n) needs an end of (key, n - 1) before it."""
+    broker = redisq.connect(url, namespace=namespace)
+    total = sum(sent_per_key.values())
+    log: list[tuple[str, str, int, str]] = []
+    lock = threading.Lock()
+    lost = threading.Event()
+    lost_at = [0.0]
+    takeover_at: dict[int, float] = {}
+    victim_partitions: list[int] = []
+
+    def make_handler(member: str) -> Any:
+        def handle(message: redisq.Message) -> None:
+            record = json.loads(message.value)
+            with lock:
+                log.append(("S", record["key"], record["n"], member))
+                if lost.is_set() and message.partition in victim_partitions:
+                    takeover_at.setdefault(message.partition, time.monotonic())
+            time.sleep(0.0002)
+            with lock:
+                log.append(("E", record["key"], record["n"], member))
+
+        return handle
+
+    members = [
+        broker.consumer(TOPIC, "demo-billing", f"member-{i}", lease_ttl_ms=lease_ttl_ms)
+        for i in range(3)
+    ]
+    threads = [
+        threading.Thread(target=m.run, args=(make_handler(m.name),), daemon=True) for m in members
+    ]
+    for thread in threads:
+        thread.start()
+    progress = Progress("  consuming", total, force=True)
+    ended = 0
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        with lock:
+            done = {(k, n) for kind, k, n, _m in log if kind == "E"}
+        progress.update(len(done) - ended)
+        ended = len(done)
+        if not lost.is_set() and ended >= total // 3:
+            victim_partitions.extend(members[0].assignment)
+            members[0]._simulate_crash()  # no ack, no lease release, no goodbye
+            lost_at[0] = time.monotonic()
+            lost.set()
+        if ended >= total:
+            break
+        time.sleep(0.1)
+    progress.close()
+    for member in members[1:]:
+        member.close()
+    for thread in threads:
+        thread.join(10)
+    ended_set: set[tuple[str, int]] = set()
+    order_violations = 0
+    starts = 0
+    for kind, key, n, _member in log:
+        if kind == "S":
+            starts += 1
+            if n > 0 and (key, n - 1) not in ended_set:
+                order_violations += 1
+        else:
+            ended_set.add((key, n))
+    expected = {(k, n) for k, count in sent_per_key.items() for n in range(count)}
+    broker.close()
+    delays = [at - lost_at[0] for at in takeover_at.values()]
+    return {
+        "lost member's partitions": victim_partitions,
+        "takeover after (s)": f"{max(delays):.2f}" if delays else "-",
+        "messages handled at least once": f"{len(expected & ended_set):,}/{len(expected):,}",
+        "handled again after the loss (at-least-once)": starts - len(ended_set & expected),
+        "per-key order violations": order_violations,
+        "_ok": expected <= ended_set and order_violations == 0,
+    }
+
+
 def run_demo(args: argparse.Namespace) -> int:
     namespace = f"demo-{uuid.uuid4().hex[:8]}"
     url = args.url
@@ -178,6 +263,20 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{total} messages in the topic"
     )
     ok = ok and same == 100 and total == 100
+
+    print(
+        "\n4. an orderly consumer group of 3 members reads the topic; one member is lost "
+        "mid-way (lease ttl 2 s)"
+    )
+    consumed = consume_with_lost_member(url, namespace, produced["per_key"])
+    consumed_ok = consumed.pop("_ok")
+    print_table(list(consumed.items()), ["check", "value"])
+    print(
+        "  per-key order held and every message handled at least once"
+        if consumed_ok
+        else "  CHECK FAILED"
+    )
+    ok = ok and consumed_ok
 
     cleanup = redisq.connect(url, namespace=namespace)
     for topic in cleanup.list_topics():
