@@ -9,10 +9,12 @@ with broker.producer(name="order-service") as producer:
 
 from redisq import errors
 from redisq.broker import Broker, PartitionInfo, TopicConfig, TopicDescription, connect
+from redisq.consumer import Consumer
 from redisq.errors import (
     DeliveryTimeout,
     InvalidConfig,
     InvalidName,
+    LeaseLost,
     MessageTooLarge,
     NotEnoughReplicas,
     OutOfOrderSequence,
@@ -24,8 +26,6 @@ from redisq.errors import (
     TopicNotFound,
     UnsupportedServer,
 )
-from redisq.consumer import Consumer
-from redisq.errors import LeaseLost
 from redisq.idempotent import idempotent
 from redisq.partitioner import partition_for_key
 from redisq.producer import Producer, SendFuture
