@@ -87,6 +87,7 @@ READ_OPTIONS = (
     "failOnDataLoss",
     "fetchCount",
     "path",
+    "checkpointLocation",
 )
 
 

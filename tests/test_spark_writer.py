@@ -1,0 +1,158 @@
+"""Writing DataFrames to topics with the "redisq" data source: routing and exactly once."""
+# ruff: noqa: F811  (pytest fixtures are imported from tests.spark_conftest)
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import redisq
+from redisq.partitioner import partition_for_key
+from tests.spark_conftest import (  # noqa: F401
+    broker_url,
+    produce,
+    spark,
+    spark_broker,
+    stream_reader,
+)
+
+pytestmark = pytest.mark.spark
+
+
+def write(df: Any, broker: redisq.Broker, **options: Any) -> None:
+    builder = df.write.format("redisq").mode("append")
+    builder = builder.option("url", broker_url(broker)).option("namespace", broker.namespace)
+    for name, value in options.items():
+        builder = builder.option(name, str(value))
+    builder.save()
+
+
+def all_messages(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
+    return [m for p in range(broker.topic_config(topic).partitions) for m in broker.read(topic, p)]
+
+
+def test_write_routes_like_the_python_producer(spark: Any, spark_broker: redisq.Broker) -> None:
+    spark_broker.create_topic("out", partitions=4)
+    rows = [
+        (f"key-{i % 13}" if i % 5 else None, f"value-{i}".encode(), {"n": str(i)})
+        for i in range(500)
+    ]
+    df = spark.createDataFrame(rows, "key string, value binary, headers map<string,string>")
+    write(df.repartition(3), spark_broker, topic="out", batchSize=50)
+    messages = all_messages(spark_broker, "out")
+    assert sorted(m.value for m in messages) == sorted(r[1] for r in rows)
+    for m in messages:
+        i = int(m.value.split(b"-")[1])
+        assert m.headers == {"n": str(i).encode()}
+        if m.key is not None:
+            assert m.key == f"key-{i % 13}".encode()
+            assert m.partition == partition_for_key(m.key, 4)
+        else:
+            assert i % 5 == 0
+    # Per key, the order within a Spark partition is kept: sequences rise with offsets.
+    for p in range(4):
+        last: dict[int | None, int] = {}
+        for m in spark_broker.read("out", p):
+            assert m.sequence is not None and m.sequence > last.get(m.producer_id, -1)
+            last[m.producer_id] = m.sequence
+
+
+def test_task_that_fails_once_still_writes_every_row_exactly_once(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    spark_broker.create_topic("once", partitions=3)
+    df = spark.range(0, 3000, numPartitions=2).selectExpr(
+        "cast(id as string) as key", "cast(concat('v', id) as binary) as value"
+    )
+    # Each task's first attempt dies after 600 rows were acknowledged by the broker; Spark
+    # retries it (local[2,2]: spark.task.maxFailures=2) and the retry re-sends those batches.
+    write(df, spark_broker, topic="once", batchSize=100, maxInFlight=2, _failAfterRows=600)
+    messages = all_messages(spark_broker, "once")
+    values = [m.value for m in messages]
+    assert len(values) == len(set(values)) == 3000
+    # One PID per Spark partition, shared by both attempts, and each (PID, partition) holds
+    # sequences 0..n-1 exactly: nothing written twice, nothing skipped.
+    by_pid: dict[tuple[int | None, int], list[int | None]] = defaultdict(list)
+    for m in messages:
+        by_pid[(m.producer_id, m.partition)].append(m.sequence)
+    assert len({pid for pid, _ in by_pid}) == 2
+    for seqs in by_pid.values():
+        assert seqs == list(range(len(seqs)))
+
+
+def test_message_id_column_dedups_a_second_write(spark: Any, spark_broker: redisq.Broker) -> None:
+    spark_broker.create_topic("ids", partitions=2)
+    df = spark.createDataFrame(
+        [(f"order-{i}", f"paid-{i}", f"k{i % 3}") for i in range(200)],
+        "message_id string, value string, key string",
+    )
+    write(df, spark_broker, topic="ids", idempotence="message_id")
+    write(df, spark_broker, topic="ids", idempotence="message_id")  # a re-run job
+    messages = all_messages(spark_broker, "ids")
+    assert sorted(m.message_id for m in messages) == sorted(
+        f"order-{i}".encode() for i in range(200)
+    )
+
+
+def test_bad_write_options_are_reported(spark: Any, spark_broker: redisq.Broker) -> None:
+    spark_broker.create_topic("w", partitions=1)
+    df = spark.createDataFrame([("a",)], "text string")
+    with pytest.raises(Exception, match="needs a value column"):
+        write(df, spark_broker, topic="w")
+    df = spark.createDataFrame([("a",)], "value string")
+    with pytest.raises(Exception, match="overwrite"):
+        (
+            df.write.format("redisq")
+            .mode("overwrite")
+            .option("url", broker_url(spark_broker))
+            .option("namespace", spark_broker.namespace)
+            .option("topic", "w")
+            .save()
+        )
+
+
+def test_stream_copy_with_a_replayed_micro_batch_writes_nothing_twice(
+    spark: Any, spark_broker: redisq.Broker, tmp_path: Path
+) -> None:
+    spark_broker.create_topic("src", partitions=3)
+    spark_broker.create_topic("dst", partitions=2)
+    produce(spark_broker, "src", 300, keys=11)
+    checkpoint = tmp_path / "cp"
+
+    def run() -> None:
+        query = (
+            stream_reader(
+                spark,
+                spark_broker,
+                subscribe="src",
+                startingOffsets="earliest",
+                maxOffsetsPerTrigger=100,
+            )
+            .select("key", "value", "topic")  # the topic option wins over the topic column
+            .writeStream.format("redisq")
+            .option("url", broker_url(spark_broker))
+            .option("namespace", spark_broker.namespace)
+            .option("topic", "dst")
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(180)
+        assert query.exception() is None
+
+    run()
+    assert len(all_messages(spark_broker, "dst")) == 300
+    # Forget that the last micro-batch was committed: the restarted query runs it again,
+    # with the same offsets, as after a crash between the sink's write and the commit log.
+    commits = sorted((checkpoint / "commits").iterdir(), key=lambda f: f.name)
+    last = [f for f in commits if f.name.isdigit()][-1]
+    last.unlink()
+    (checkpoint / "commits" / f".{last.name}.crc").unlink(missing_ok=True)
+    run()
+    copied = all_messages(spark_broker, "dst")
+    assert sorted(m.value for m in copied) == sorted(b"v%d" % i for i in range(300))
+    for m in copied:
+        assert m.partition == partition_for_key(m.key or b"", 2)
