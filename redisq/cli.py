@@ -684,8 +684,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redisq: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except (redis.ConnectionError, redis.TimeoutError, ConnectionError) as exc:
+        # redis-py's messages name host and port, never the password; ours are redacted.
         where = redact_url(args.url) if args.url else "the server"
-        print(f"redisq: cannot reach {where}: {type(exc).__name__}", file=sys.stderr)
+        detail = str(exc)
+        if not detail.startswith("cannot reach"):  # connect() names the (redacted) url itself
+            detail = f"cannot reach {where}: {type(exc).__name__}: {detail}"
+        print(f"redisq: {detail}", file=sys.stderr)
+        return 2
+    except redis.ResponseError as exc:  # e.g. NOPERM from an ACL user confined to a namespace
+        print(f"redisq: the server refused: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, unquote
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from redisq.errors import UnsupportedServer
 
@@ -78,19 +79,31 @@ def open_client(url: str, **options: Any) -> Any:
     if scheme in _SENTINEL_SCHEMES:
         return open_sentinel_client(url, **options)
     if scheme in _CLUSTER_SCHEMES:
-        return RedisCluster.from_url(_CLUSTER_SCHEMES[scheme] + url[len(scheme) :], **options)
+        return _open_cluster(url, _CLUSTER_SCHEMES[scheme] + url[len(scheme) :], options)
     client = redis.Redis.from_url(url, **options)
     try:
         info = client.info("cluster")
     except redis.RedisError as exc:
         client.close()
-        raise redis.ConnectionError(
-            f"cannot reach {redact_url(url)}: {type(exc).__name__}"
-        ) from None
+        raise _unreachable(url, exc) from None
     if info.get("cluster_enabled") in (1, "1"):
         client.close()
-        return RedisCluster.from_url(url, **options)
+        return _open_cluster(url, url, options)
     return client
+
+
+def _open_cluster(url: str, cluster_url: str, options: dict[str, Any]) -> RedisCluster:
+    try:
+        return RedisCluster.from_url(cluster_url, **options)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise _unreachable(url, exc) from None
+
+
+def _unreachable(url: str, exc: BaseException) -> redis.ConnectionError:
+    """A ConnectionError naming the redacted url; redis-py's own messages name host and port only
+    (and AuthenticationError, NoPermissionError keep their type name in the text)."""
+    detail = str(exc).split(" : ", 1)[0]  # Sentinel appends the reprs of every sentinel client
+    return redis.ConnectionError(f"cannot reach {redact_url(url)}: {type(exc).__name__}: {detail}")
 
 
 def open_sentinel_client(url: str, **options: Any) -> Any:
@@ -151,9 +164,7 @@ def open_sentinel_client(url: str, **options: Any) -> Any:
         client.ping()
     except redis.RedisError as exc:
         client.close()
-        raise redis.ConnectionError(
-            f"cannot reach the master of {service!r} via {redact_url(url)}: {type(exc).__name__}"
-        ) from None
+        raise _unreachable(url, exc) from None
     return client
 
 
