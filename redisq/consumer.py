@@ -555,7 +555,7 @@ class Consumer:
         """Stream entries as Messages. The hot path of reading: Message is built positionally
         from the fields (as records.decode_entry does, without its per-entry overhead)."""
         topic = self.topic
-        messages = []
+        messages: list[Message] = []
         append = messages.append
         for i, (entry_id, flat) in enumerate(entries):
             if isinstance(flat, dict):
