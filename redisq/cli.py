@@ -564,6 +564,9 @@ def _add_consumer_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _add_spark_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Spark analysis commands: audit (ordering, skew, throughput, lag); need the [spark] extra."""
+    from spark_connector.commands import add_audit_parser, run_audit  # imports no pyspark
+
+    add_audit_parser(sub, common, func=lambda args: run_audit(args, print_table))
 
 
 def build_parser() -> argparse.ArgumentParser:

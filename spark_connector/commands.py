@@ -1,0 +1,125 @@
+"""`redisq audit order|skew|throughput|lag TOPIC`: run a job, print its table, write a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+AUDIT_KINDS = {
+    "order": "ordering audit: sequence gaps, duplicates, out-of-order per producer and key",
+    "skew": "partition skew and hot keys",
+    "throughput": "messages per second over time, per partition",
+    "lag": "consumer-group lag per partition",
+}
+
+PrintTable = Callable[[Sequence[Sequence[Any]], Sequence[str]], None]
+
+
+def add_audit_parser(
+    sub: Any, common: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]
+) -> None:
+    audit = sub.add_parser(
+        "audit", help="Spark analysis jobs: order, skew, throughput, lag (needs the [spark] extra)"
+    )
+    kinds = audit.add_subparsers(dest="audit_command", required=True)
+    for kind, text in AUDIT_KINDS.items():
+        parser = kinds.add_parser(kind, parents=[common], help=text, description=text)
+        parser.add_argument("topic")
+        parser.add_argument("--group", default=None, help="lag: only this consumer group")
+        parser.add_argument(
+            "--plot", default=None, help="PNG to write (default: redisq-<kind>-<topic>.png)"
+        )
+        parser.add_argument(
+            "--master", default=None, help="Spark master (default: local[*]; or SPARK_REMOTE)"
+        )
+        parser.add_argument("--top", type=int, default=10, help="skew: how many hot keys")
+        parser.add_argument(
+            "--bucket-ms", type=int, default=1000, help="throughput: bucket width in ms"
+        )
+        parser.set_defaults(audit_kind=kind, func=func)
+
+
+def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | None = None) -> int:
+    """0: done (order: clean), 1: the ordering audit found faults, 2: cannot run."""
+    out = out or sys.stdout
+    try:
+        import pyspark  # noqa: F401
+
+        from spark_connector import jobs
+        from spark_connector.session import get_session
+    except ImportError as exc:
+        print(
+            f"redisq audit needs the [spark] extra (pip install 'redisq-broker[spark]'): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    from redisq.connection import resolve_url
+
+    url, embedded = resolve_url(args.url)
+    if embedded:
+        print("(no --url or REDIS_URL: auditing the embedded valkey-server)", file=sys.stderr)
+    spark = get_session(args.master, config={"spark.ui.showConsoleProgress": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    kind, topic = args.audit_kind, args.topic
+    plot = Path(args.plot or f"redisq-{kind}-{topic}.png")
+    status = 0
+    if kind == "lag":
+        rows = jobs.consumer_lag(spark, url, args.namespace, topic, args.group).collect()
+        columns = ["partition", "group", "consumers", "pending", "lag", "last_delivered"]
+        print_table([[r[c] for c in columns] for r in rows], columns)
+        if not rows:
+            print(
+                f"no consumer groups on {topic!r}"
+                + (f" named {args.group!r}" if args.group else "")
+            )
+        jobs.plot_lag(rows, plot, f"consumer lag of {topic}")
+    else:
+        df = jobs.read_topic(spark, url, args.namespace, topic)
+        if kind == "order":
+            result = jobs.run_ordering_audit(df)
+            print_table(
+                [[r[c] for c in jobs.AUDIT_COLUMNS[1:]] for r in result.rows],
+                jobs.AUDIT_COLUMNS[1:],
+            )
+            if result.key_rows:
+                print("\nkeys out of order or split over partitions:", file=out)
+                print_table(
+                    [
+                        [_show(r.key), r.messages, r.partitions, r.out_of_order]
+                        for r in result.key_rows[:20]
+                    ],
+                    ["key", "messages", "partitions", "out_of_order"],
+                )
+            print("\n" + result.verdict(topic), file=out)
+            status = 0 if result.clean else 1
+            jobs.plot_audit(result.rows, plot, f"ordering audit of {topic}")
+        elif kind == "skew":
+            df = df.cache()
+            rows = jobs.partition_skew(df).collect()
+            columns = ["partition", "messages", "bytes", "keys", "share", "vs_mean"]
+            print_table([[r[c] for c in columns] for r in rows], columns)
+            hot = jobs.hot_keys(df, args.top).collect()
+            print("\nhot keys:", file=out)
+            columns = ["rank", "key", "partition", "messages", "share"]
+            print_table([[r[c] for c in columns] for r in hot], columns)
+            jobs.plot_skew(rows, plot, f"messages per partition of {topic}")
+        else:
+            rows = jobs.throughput(df, args.bucket_ms).collect()
+            columns = ["bucket_start", "partition", "messages", "bytes", "messages_per_s"]
+            print_table([[r[c] for c in columns] for r in rows], columns)
+            jobs.plot_throughput(rows, plot, f"throughput of {topic}")
+    print(f"plot: {plot}", file=out)
+    return status
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "-"
+    raw = bytes(value)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw.hex()

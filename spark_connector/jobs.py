@@ -1,0 +1,469 @@
+"""Analysis jobs on topics (DESIGN §5): each a function that returns a DataFrame, and a plot.
+
+    from spark_connector import get_session, jobs
+    spark = get_session()
+    df = jobs.read_topic(spark, "redis://localhost:6379", "rq", "orders")
+    jobs.ordering_audit(df).show()        # per producer and partition: gaps, duplicates, order
+    jobs.key_order_audit(df).show()       # per key: out-of-order, keys split over partitions
+    jobs.partition_skew(df).show(); jobs.hot_keys(df).show()
+    jobs.throughput(df, bucket_ms=1000).show()
+    jobs.consumer_lag(spark, url, "rq", "orders").show()
+
+The ordering audit reads the producer id (field p) and sequence (field s) that idempotent
+producers store with every message. Sequences count per (producer, partition) from 0; a new
+epoch of a named producer, and each micro-batch of the Spark writer, starts again at 0, so a
+0 after higher numbers opens a new run and is not counted as a fault (the one blind spot: a
+duplicate of sequence 0 looks the same). Within a run:
+  gaps          sequence numbers missing between the run's lowest and highest
+  duplicates    messages whose sequence number already appeared in the run
+  out_of_order  messages whose sequence is below one appended before them (and not a duplicate)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger("redisq.spark.jobs")
+
+AUDIT_COLUMNS = [
+    "topic",
+    "partition",
+    "producer_id",
+    "messages",
+    "runs",
+    "first_sequence",
+    "last_sequence",
+    "gaps",
+    "duplicates",
+    "out_of_order",
+]
+
+
+def read_topic(
+    spark: SparkSession,
+    url: str,
+    namespace: str,
+    topic: str,
+    *,
+    include_metadata: bool = True,
+    **options: str,
+) -> DataFrame:
+    """A batch DataFrame of the whole topic (earliest to latest), with producer metadata."""
+    reader = (
+        spark.read.format("redisq")
+        .option("url", url)
+        .option("namespace", namespace)
+        .option("subscribe", topic)
+        .option("includeMetadata", str(include_metadata).lower())
+    )
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    return reader.load()
+
+
+def _with_runs(df: DataFrame) -> DataFrame:
+    """Rows with a sequence, numbered into runs per (producer, partition) in offset order."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    rows = df.where(F.col("producer_id").isNotNull() & F.col("sequence").isNotNull())
+    order = Window.partitionBy("topic", "partition", "producer_id").orderBy(
+        "offset_ms", "offset_seq"
+    )
+    prev = F.lag("sequence").over(order)
+    restart = (F.col("sequence") == 0) & prev.isNotNull() & (prev > 0)
+    rows = rows.withColumn("_restart", restart.cast("int"))
+    rows = rows.withColumn("run", F.sum("_restart").over(order))
+    in_run = Window.partitionBy("topic", "partition", "producer_id", "run").orderBy(
+        "offset_ms", "offset_seq"
+    )
+    before = in_run.rowsBetween(Window.unboundedPreceding, -1)
+    same_seq = Window.partitionBy("topic", "partition", "producer_id", "run", "sequence").orderBy(
+        "offset_ms", "offset_seq"
+    )
+    rows = rows.withColumn("_seen", F.row_number().over(same_seq) > 1)
+    rows = rows.withColumn("_max_before", F.max("sequence").over(before))
+    return rows.withColumn(
+        "_late", (~F.col("_seen")) & (F.col("sequence") < F.col("_max_before"))
+    ).drop("_restart")
+
+
+def ordering_audit(df: DataFrame) -> DataFrame:
+    """Per (topic, partition, producer): messages, runs, gaps, duplicates, out_of_order."""
+    from pyspark.sql import functions as F
+
+    rows = _with_runs(df)
+    per_run = rows.groupBy("topic", "partition", "producer_id", "run").agg(
+        F.count("*").alias("messages"),
+        F.countDistinct("sequence").alias("distinct"),
+        F.min("sequence").alias("low"),
+        F.max("sequence").alias("high"),
+        F.sum(F.col("_late").cast("int")).alias("late"),
+    )
+    return (
+        per_run.groupBy("topic", "partition", "producer_id")
+        .agg(
+            F.sum("messages").alias("messages"),
+            F.count("*").alias("runs"),
+            F.min_by("low", "run").alias("first_sequence"),
+            F.max_by("high", "run").alias("last_sequence"),
+            F.sum(F.col("high") - F.col("low") + 1 - F.col("distinct")).alias("gaps"),
+            F.sum(F.col("messages") - F.col("distinct")).alias("duplicates"),
+            F.sum("late").alias("out_of_order"),
+        )
+        .select(*AUDIT_COLUMNS)
+        .orderBy("topic", "partition", "producer_id")
+    )
+
+
+def key_order_audit(df: DataFrame) -> DataFrame:
+    """Per key: messages, partitions it was written to (more than one breaks per-key order
+    across them), and messages that came after a later one of the same producer run."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    keyed = df.where(F.col("key").isNotNull())
+    spread = keyed.groupBy("key").agg(
+        F.count("*").alias("messages"), F.countDistinct("partition").alias("partitions")
+    )
+    rows = _with_runs(keyed)
+    key_order = Window.partitionBy("key", "partition", "producer_id", "run").orderBy(
+        "offset_ms", "offset_seq"
+    )
+    before = key_order.rowsBetween(Window.unboundedPreceding, -1)
+    late = (
+        rows.withColumn(
+            "_key_late", (~F.col("_seen")) & (F.col("sequence") < F.max("sequence").over(before))
+        )
+        .groupBy("key")
+        .agg(F.sum(F.col("_key_late").cast("int")).alias("out_of_order"))
+    )
+    return (
+        spread.join(late, "key", "left")
+        .select(
+            "key",
+            "messages",
+            "partitions",
+            F.coalesce("out_of_order", F.lit(0)).alias("out_of_order"),
+        )
+        .orderBy(F.desc("out_of_order"), F.desc("partitions"), "key")
+    )
+
+
+def message_id_duplicates(df: DataFrame) -> DataFrame:
+    """Per partition: messages carrying a message id, and ids that appear more than once."""
+    from pyspark.sql import functions as F
+
+    rows = df.where(F.col("message_id").isNotNull())
+    return (
+        rows.groupBy("topic", "partition")
+        .agg(
+            F.count("*").alias("messages"),
+            (F.count("*") - F.countDistinct("message_id")).alias("duplicate_ids"),
+        )
+        .orderBy("topic", "partition")
+    )
+
+
+def partition_skew(df: DataFrame) -> DataFrame:
+    """Per partition: messages, bytes, share of the topic and ratio to the mean partition."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    size = F.coalesce(F.length("value"), F.lit(0)) + F.coalesce(F.length("key"), F.lit(0))
+    per = df.groupBy("topic", "partition").agg(
+        F.count("*").alias("messages"),
+        F.sum(size).alias("bytes"),
+        F.countDistinct("key").alias("keys"),
+    )
+    everything = Window.partitionBy("topic")
+    return (
+        per.withColumn("share", F.round(F.col("messages") / F.sum("messages").over(everything), 4))
+        .withColumn("vs_mean", F.round(F.col("messages") / F.avg("messages").over(everything), 3))
+        .orderBy("topic", "partition")
+    )
+
+
+def hot_keys(df: DataFrame, top: int = 10) -> DataFrame:
+    """The keys with the most messages, with their partition and share of the topic."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    per = df.where(F.col("key").isNotNull()).groupBy("topic", "key", "partition").count()
+    total = df.count()
+    ranked = per.withColumn(
+        "rank", F.row_number().over(Window.orderBy(F.desc("count"), "key"))
+    ).where(F.col("rank") <= top)
+    return ranked.select(
+        "rank",
+        "topic",
+        F.col("key").cast("string").alias("key"),
+        "partition",
+        F.col("count").alias("messages"),
+        F.round(F.col("count") / F.lit(max(total, 1)), 4).alias("share"),
+    ).orderBy("rank")
+
+
+def throughput(df: DataFrame, bucket_ms: int = 1000) -> DataFrame:
+    """Messages and bytes appended per time bucket and partition (by the stream IDs' time)."""
+    from pyspark.sql import functions as F
+
+    if bucket_ms < 1:
+        raise ValueError(f"bucket_ms={bucket_ms} is out of range: 1 or more")
+    bucket = (F.floor(F.col("offset_ms") / bucket_ms) * bucket_ms).cast("long")
+    size = F.coalesce(F.length("value"), F.lit(0)) + F.coalesce(F.length("key"), F.lit(0))
+    return (
+        df.withColumn("bucket_ms", bucket)
+        .groupBy("bucket_ms", "partition")
+        .agg(F.count("*").alias("messages"), F.sum(size).alias("bytes"))
+        .withColumn("bucket_start", F.timestamp_millis("bucket_ms"))
+        .withColumn("messages_per_s", F.round(F.col("messages") * 1000.0 / bucket_ms, 1))
+        .select("bucket_start", "bucket_ms", "partition", "messages", "bytes", "messages_per_s")
+        .orderBy("bucket_ms", "partition")
+    )
+
+
+LAG_SCHEMA = (
+    "topic string, partition int, group string, consumers int, pending long, "
+    "last_delivered string, entries_read long, lag long, partition_end string, length long"
+)
+
+
+def consumer_lag(
+    spark: SparkSession, url: str, namespace: str, topic: str, group: str | None = None
+) -> DataFrame:
+    """Per consumer group and partition: pending (delivered, not acked), lag (not delivered
+    yet) and positions, from XINFO GROUPS on each partition stream (what ordinary Redis tools
+    show). When Redis cannot tell the lag (after XDEL), it is counted with count_range.lua."""
+    import redisq
+
+    rows: list[tuple[Any, ...]] = []
+    with redisq.connect(url, namespace=namespace) as broker:
+        config = broker.topic_config(topic, refresh=True)
+        for p in range(config.partitions):
+            key = broker.keys.log(topic, p)
+            info = broker.client.xinfo_stream(key)
+            last = _text(info.get("last-generated-id", b"0-0"))
+            for g in broker.client.xinfo_groups(key):
+                name = _text(g.get("name"))
+                if group is not None and name != group:
+                    continue
+                delivered = _text(g.get("last-delivered-id", b"0-0"))
+                lag = g.get("lag")
+                if lag is None:
+                    count, _ = broker.scripts.call(
+                        "count_range", [key], ["(" + delivered, _after(last), 1 << 62], topic=topic
+                    )
+                    lag = int(count)
+                rows.append(
+                    (
+                        topic,
+                        p,
+                        name,
+                        int(g.get("consumers", 0)),
+                        int(g.get("pending", 0)),
+                        delivered,
+                        None if g.get("entries-read") is None else int(g["entries-read"]),
+                        int(lag),
+                        last,
+                        int(info.get("length", 0)),
+                    )
+                )
+    return spark.createDataFrame(rows, LAG_SCHEMA).orderBy("group", "partition")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _after(stream_id: str) -> str:
+    ms, _, seq = stream_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+# -- verdicts and plots ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AuditResult:
+    rows: list[Any]
+    key_rows: list[Any]
+    id_rows: list[Any]
+    messages: int
+
+    @property
+    def gaps(self) -> int:
+        return sum(int(r.gaps or 0) for r in self.rows)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(int(r.duplicates or 0) for r in self.rows) + sum(
+            int(r.duplicate_ids or 0) for r in self.id_rows
+        )
+
+    @property
+    def out_of_order(self) -> int:
+        return sum(int(r.out_of_order or 0) for r in self.rows)
+
+    @property
+    def key_out_of_order(self) -> int:
+        return sum(int(r.out_of_order or 0) for r in self.key_rows)
+
+    @property
+    def split_keys(self) -> int:
+        return sum(1 for r in self.key_rows if r.partitions > 1)
+
+    @property
+    def clean(self) -> bool:
+        return not (
+            self.gaps
+            or self.duplicates
+            or self.out_of_order
+            or self.key_out_of_order
+            or self.split_keys
+        )
+
+    def verdict(self, topic: str) -> str:
+        audited = sum(int(r.messages) for r in self.rows)
+        producers = len({r.producer_id for r in self.rows})
+        head = (
+            f"Spark ordering audit of {topic!r}: {self.messages:,} messages, {audited:,} with "
+            f"producer sequences from {producers} producer(s), {len(self.key_rows):,} keys"
+        )
+        if self.clean:
+            return head + ": CLEAN (no sequence gaps, duplicates or out-of-order messages)"
+        return head + (
+            f": NOT CLEAN: {self.gaps} missing sequence numbers, {self.duplicates} duplicates, "
+            f"{self.out_of_order} out of order, {self.key_out_of_order} out of order within a "
+            f"key, {self.split_keys} keys split over partitions"
+        )
+
+
+def run_ordering_audit(df: DataFrame) -> AuditResult:
+    """The ordering audit collected: per-producer rows, keys with faults, message-id dups."""
+    from pyspark.sql import functions as F
+
+    df = df.cache()
+    try:
+        return AuditResult(
+            rows=ordering_audit(df).collect(),
+            key_rows=key_order_audit(df)
+            .where((F.col("out_of_order") > 0) | (F.col("partitions") > 1))
+            .collect(),
+            id_rows=message_id_duplicates(df).collect(),
+            messages=df.count(),
+        )
+    finally:
+        df.unpersist()
+
+
+def demo_audit(url: str, namespace: str, topic: str) -> tuple[bool, str]:
+    """Run the ordering audit on a topic with a local Spark; (clean?, a printable verdict).
+
+    Called at the end of `redisq demo`. Needs the [spark] extra and Java."""
+    from spark_connector.session import get_session
+
+    spark = get_session(config={"spark.ui.showConsoleProgress": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    result = run_ordering_audit(read_topic(spark, url, namespace, topic))
+    return result.clean, result.verdict(topic)
+
+
+def plot_audit(rows: Sequence[Any], path: str | Path, title: str) -> Path:
+    """Bars of gaps, duplicates and out-of-order messages per partition."""
+    plt = _pyplot()
+    partitions = sorted({r.partition for r in rows})
+    sums = {
+        kind: [
+            sum(int(getattr(r, kind) or 0) for r in rows if r.partition == p) for p in partitions
+        ]
+        for kind in ("gaps", "duplicates", "out_of_order")
+    }
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.27
+    for i, (kind, values) in enumerate(sums.items()):
+        ax.bar([p + (i - 1) * width for p in partitions], values, width, label=kind)
+    ax.set_xlabel("partition")
+    ax.set_ylabel("messages")
+    ax.set_xticks(partitions)
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_skew(rows: Sequence[Any], path: str | Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([r.partition for r in rows], [r.messages for r in rows])
+    if rows:
+        mean = sum(r.messages for r in rows) / len(rows)
+        ax.axhline(mean, color="grey", linestyle="--", label=f"mean {mean:,.0f}")
+        ax.legend()
+    ax.set_xlabel("partition")
+    ax.set_ylabel("messages")
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def plot_throughput(rows: Sequence[Any], path: str | Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for p in sorted({r.partition for r in rows}):
+        series = [r for r in rows if r.partition == p]
+        ax.plot(
+            [r.bucket_start for r in series],
+            [r.messages_per_s for r in series],
+            marker=".",
+            label=f"partition {p}",
+        )
+    ax.set_ylabel("messages/s")
+    ax.set_title(title)
+    if rows:
+        ax.legend(fontsize="small")
+    fig.autofmt_xdate()
+    return _save(fig, path)
+
+
+def plot_lag(rows: Sequence[Any], path: str | Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    groups = sorted({r.group for r in rows})
+    width = 0.8 / max(len(groups), 1)
+    for i, g in enumerate(groups):
+        series = [r for r in rows if r.group == g]
+        ax.bar(
+            [r.partition + i * width for r in series],
+            [r.lag for r in series],
+            width,
+            label=f"{g} lag",
+        )
+    ax.set_xlabel("partition")
+    ax.set_ylabel("messages not yet delivered")
+    ax.set_title(title)
+    if groups:
+        ax.legend()
+    return _save(fig, path)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    target = Path(path)
+    fig.tight_layout()
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return target
