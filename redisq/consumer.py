@@ -31,7 +31,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -552,38 +552,44 @@ class Consumer:
     def _decode(
         self, partition: int, entries: list[Any], deliveries: list[Any] | None = None
     ) -> list[Message]:
-        """Stream entries as Messages. The hot path of reading: Message is built positionally
-        from the fields (as records.decode_entry does, without its per-entry overhead)."""
+        """Stream entries as Messages (what records.decode_entry does, for a whole batch).
+
+        This is the client's hot path of reading: the common field layouts written by
+        includes/append.lua are taken by position, and Messages are built by _new_message."""
         topic = self.topic
         messages: list[Message] = []
         append = messages.append
         for i, (entry_id, flat) in enumerate(entries):
-            if isinstance(flat, dict):
-                fields = flat
-            else:
-                it = iter(flat)
-                fields = dict(zip(it, it, strict=True))
             offset = entry_id.decode() if type(entry_id) is bytes else str(entry_id)
-            get = fields.get
-            blob = get(b"h")
-            producer_id = get(b"p")
-            sequence = get(b"s")
-            attempt = 1
-            if deliveries is not None:
-                attempt = max(1, int(deliveries[i]))
+            key = blob = message_id = producer_id = sequence = None
+            value = b""
+            size = len(flat) if type(flat) is list else 0
+            if size == 8 and flat[0] == b"k" and flat[4] == b"p" and flat[6] == b"s":  # PID + seq
+                key, value, producer_id, sequence = flat[1], flat[3], flat[5], flat[7]
+            elif size == 4 and flat[0] == b"k" and flat[2] == b"v":  # keyed, no producer id
+                key, value = flat[1], flat[3]
+            else:
+                if isinstance(flat, dict):
+                    fields = flat
+                else:
+                    it = iter(flat)
+                    fields = dict(zip(it, it, strict=True))
+                get = fields.get
+                key, value, blob = get(b"k"), get(b"v", b""), get(b"h")
+                message_id, producer_id, sequence = get(b"m"), get(b"p"), get(b"s")
             append(
-                Message(
+                _new_message(
                     topic,
                     partition,
                     offset,
-                    get(b"k"),
-                    get(b"v", b""),
+                    key,
+                    value,
                     decode_headers(blob) if blob else {},
                     int(offset[: offset.index("-")]),
                     int(producer_id) if producer_id is not None else None,
                     int(sequence) if sequence is not None else None,
-                    get(b"m"),
-                    attempt,
+                    message_id,
+                    max(1, int(deliveries[i])) if deliveries is not None else 1,
                 )
             )
         return messages
@@ -1070,6 +1076,52 @@ class Consumer:
                 part.worker.join(5)
         self._coordinator.join(5)
         self._closed = True
+
+
+def _message_factory() -> Callable[..., Message]:
+    """Message(...) positionally, about 40% cheaper than the frozen dataclass's __init__ (which
+    goes through object.__setattr__ per field): the slot descriptors are set directly. Falls
+    back to the constructor if Message's fields are not the ones this was written for."""
+    expected = (
+        "topic", "partition", "offset", "key", "value", "headers", "timestamp_ms",
+        "producer_id", "sequence", "message_id", "attempt",
+    )  # fmt: skip
+    if tuple(f.name for f in fields(Message)) != expected:  # pragma: no cover
+        return Message
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = (getattr(Message, n).__set__ for n in expected)
+    new = object.__new__
+
+    def make(
+        topic: str,
+        partition: int,
+        offset: str,
+        key: bytes | None,
+        value: bytes,
+        headers: dict[str, bytes],
+        timestamp_ms: int,
+        producer_id: int | None,
+        sequence: int | None,
+        message_id: bytes | None,
+        attempt: int,
+    ) -> Message:
+        m = new(Message)
+        s0(m, topic)
+        s1(m, partition)
+        s2(m, offset)
+        s3(m, key)
+        s4(m, value)
+        s5(m, headers)
+        s6(m, timestamp_ms)
+        s7(m, producer_id)
+        s8(m, sequence)
+        s9(m, message_id)
+        s10(m, attempt)
+        return m
+
+    return make
+
+
+_new_message = _message_factory()
 
 
 def _offset_key(offset: str) -> tuple[int, int]:
