@@ -260,6 +260,10 @@ class Producer:
         # Without idempotence the broker detects no gap: one batch in flight per partition keeps
         # the order when a batch fails and a later one would have succeeded.
         self.max_in_flight = max_in_flight if idempotence else 1
+        # After a lost connection, one batch in flight per partition until one is acknowledged:
+        # rounds that cannot complete between two disconnections would otherwise be re-sent in
+        # vain until the delivery timeout (message_id re-sends cost as much as the first send).
+        self._cautious = False
         # Sequence numbers count messages; in message_id mode they count batches.
         self._per_message_seq = idempotence == "sequence"
         self.window = window
@@ -599,7 +603,7 @@ class Producer:
                     in_flight += 1
                 else:
                     seen_idle = True
-                    if in_flight + len(pending) < self.max_in_flight:
+                    if in_flight + len(pending) < (1 if self._cautious else self.max_in_flight):
                         pending.append(batch)
                     elif not in_flight:
                         break
@@ -641,6 +645,7 @@ class Producer:
                             backoff = min(backoff * 2, 1.0)
                         elif progress:
                             backoff = self.retry_backoff_s
+                            self._cautious = False
                 except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                     # Replies in flight are lost: every batch on the wire goes again (the window
                     # answers the ones that were written as duplicates, with their offsets).
@@ -649,6 +654,7 @@ class Producer:
                     )
                     transport.reset()
                     with self._cond:
+                        self._cautious = True
                         for round_ in outstanding:
                             round_.release()
                         for batch in work:

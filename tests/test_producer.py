@@ -1,0 +1,618 @@
+"""The producer on real servers: routing, order, input checks, headers, both idempotence modes,
+fencing of named producers, retention, acks, and the broker-side window of produce_sequence.lua.
+Tests taking `broker` run on each backend (valkey, valkey-cluster, redis)."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+import zlib
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+
+import redisq
+from tests.servers import ServerProcess
+from tests.test_topics import snapshot
+
+
+def read_all(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
+    partitions = broker.describe_topic(topic).config.partitions
+    messages: list[redisq.Message] = []
+    for p in range(partitions):
+        messages += broker.read(topic, p)
+    return messages
+
+
+# -- send and routing ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
+def test_send_returns_record_metadata_of_the_stored_message(
+    broker: redisq.Broker, idempotence: str | None
+) -> None:
+    broker.create_topic("orders", partitions=3)
+    with broker.producer(idempotence=idempotence) as producer:
+        meta = producer.send("orders", b"paid", key="order-42")
+    assert isinstance(meta, redisq.RecordMetadata)
+    assert meta.topic == "orders"
+    assert meta.partition == zlib.crc32(b"order-42") % 3
+    assert meta.duplicate is False
+    [message] = broker.read("orders", meta.partition)
+    assert message.offset == meta.offset
+    assert (message.key, message.value) == (b"order-42", b"paid")
+    assert message.timestamp_ms == int(meta.offset.split("-")[0])
+    assert abs(message.timestamp - time.time()) < 60
+
+
+def test_same_key_same_partition_by_crc32(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=5)
+    keys = [f"customer-{i}" for i in range(60)] + ["ключ", "🙂"]
+    with broker.producer() as producer:
+        for key in keys:
+            as_str = producer.send("orders", b"s", key=key)
+            as_bytes = producer.send("orders", b"b", key=key.encode())
+            expected = zlib.crc32(key.encode("utf-8")) % 5
+            assert as_str.partition == as_bytes.partition == expected
+            assert redisq.partition_for_key(key.encode(), 5) == expected
+    used = {zlib.crc32(k.encode()) % 5 for k in keys}
+    assert len(used) == 5  # the keys really spread, so the check above meant something
+    for message in read_all(broker, "orders"):
+        assert message.partition == zlib.crc32(message.key) % 5
+
+
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id"])
+def test_per_key_order_with_many_batches_in_flight(broker: redisq.Broker, idempotence: str) -> None:
+    """20k messages over 300 keys, batches of 50, five in flight per partition."""
+    broker.create_topic("orders", partitions=4)
+    rng = random.Random(7)
+    keys = [f"k{i}" for i in range(300)]
+    sent: dict[str, list[bytes]] = defaultdict(list)
+    futures = []
+    with broker.producer(
+        idempotence=idempotence, max_batch_messages=50, max_in_flight=5, linger_ms=2
+    ) as producer:
+        for i in range(20_000):
+            key = rng.choice(keys)
+            value = f"{key}:{i}".encode()
+            sent[key].append(value)
+            futures.append((key, value, producer.send_async("orders", value, key=key)))
+        producer.flush()
+    results = {value: future.result(timeout=30) for _, value, future in futures}
+    assert not any(meta.duplicate for meta in results.values())
+
+    stored = read_all(broker, "orders")
+    assert len(stored) == 20_000
+    by_offset = {(m.partition, m.offset): m for m in stored}
+    by_key: dict[str, list[bytes]] = defaultdict(list)
+    for message in stored:  # per partition in offset order
+        by_key[message.key.decode()].append(message.value)
+    assert by_key == sent
+    for key, value, _ in futures:
+        meta = results[value]
+        message = by_offset[(meta.partition, meta.offset)]
+        assert (message.key, message.value) == (key.encode(), value)
+    if idempotence == "sequence":  # per-partition sequences count messages from 0, no gaps
+        for p in range(4):
+            sequences = [m.sequence for m in stored if m.partition == p]
+            assert sequences == list(range(len(sequences)))
+
+
+def test_sticky_partitioner_without_key_spreads_over_all_partitions(
+    broker: redisq.Broker,
+) -> None:
+    broker.create_topic("logs", partitions=4)
+    with broker.producer(max_batch_messages=50, linger_ms=50) as producer:
+        futures = [producer.send_async("logs", f"line-{i}") for i in range(2000)]
+        producer.flush()
+    partitions = [f.result(timeout=10).partition for f in futures]
+    counts = {p: partitions.count(p) for p in range(4)}
+    assert all(count > 0 for count in counts.values()), counts
+    # Sticky: the partition changes only when a batch is sealed, so runs are batch-sized.
+    switches = sum(1 for a, b in zip(partitions, partitions[1:], strict=False) if a != b)
+    assert switches < len(partitions) / 10
+    stored = read_all(broker, "logs")
+    assert sorted(m.value for m in stored) == sorted(f"line-{i}".encode() for i in range(2000))
+    for p in range(4):  # within a partition, send order
+        values = [int(m.value.split(b"-")[1]) for m in stored if m.partition == p]
+        assert values == sorted(values)
+
+
+def test_custom_partitioner_chooses_the_partition(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=3)
+    calls = []
+
+    def by_length(topic: str, key: bytes | None, value: bytes, partitions: int) -> int:
+        calls.append((topic, key, value, partitions))
+        return len(value) % partitions
+
+    with broker.producer(partitioner=by_length) as producer:
+        metas = [producer.send("orders", "x" * n, key=f"k{n}") for n in range(1, 10)]
+    assert [m.partition for m in metas] == [n % 3 for n in range(1, 10)]
+    assert calls[0] == ("orders", b"k1", b"x", 3)
+    for message in read_all(broker, "orders"):
+        assert message.partition == len(message.value) % 3
+
+
+@pytest.mark.parametrize("bad", [99, 3, -1, "0", None, 1.5, True], ids=repr)
+def test_custom_partitioner_bad_return_raises_and_writes_nothing(
+    broker: redisq.Broker, bad: object
+) -> None:
+    broker.create_topic("orders", partitions=3)
+    with broker.producer(partitioner=lambda *args: bad) as producer:
+        before = snapshot(broker)
+        with pytest.raises(redisq.PartitionOutOfRange):
+            producer.send("orders", b"v", key="k")
+        with pytest.raises(redisq.PartitionOutOfRange):
+            producer.send_async("orders", b"v")
+        producer.flush()
+        assert snapshot(broker) == before
+    assert broker.describe_topic("orders").total_messages == 0
+
+
+def test_explicit_partition_wins_over_key(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=3)
+    key_partition = zlib.crc32(b"k") % 3
+    other = (key_partition + 1) % 3
+    with broker.producer() as producer:
+        meta = producer.send("orders", b"v", key="k", partition=other)
+    assert meta.partition == other
+    assert [m.value for m in broker.read("orders", other)] == [b"v"]
+
+
+# -- values, keys, sizes, headers ---------------------------------------------------------------
+
+
+def test_bytes_and_str_values_are_stored_as_bytes(broker: redisq.Broker) -> None:
+    broker.create_topic("t")
+    with broker.producer() as producer:
+        producer.send("t", b"\x00raw\xff")
+        producer.send("t", "héllo wörld")
+        producer.send("t", "")
+    assert [m.value for m in broker.read("t", 0)] == [b"\x00raw\xff", "héllo wörld".encode(), b""]
+
+
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
+@pytest.mark.parametrize("value", [42, {"a": 1}, None, 1.5, ["x"], object()], ids=repr)
+def test_bad_value_type_is_a_type_error_naming_the_type(
+    broker: redisq.Broker, idempotence: str | None, value: object
+) -> None:
+    broker.create_topic("t", partitions=2)
+    with broker.producer(idempotence=idempotence) as producer:
+        producer.send("t", b"ok")
+        before = snapshot(broker)
+        with pytest.raises(TypeError, match=type(value).__name__):
+            producer.send("t", value)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=type(value).__name__):
+            producer.send_async("t", value, key="k")  # type: ignore[arg-type]
+        producer.flush()
+        assert snapshot(broker) == before
+    assert broker.describe_topic("t").total_messages == 1
+
+
+@pytest.mark.parametrize("key", [7, 2.5, ["k"], {"k": 1}], ids=repr)
+def test_bad_key_type_is_a_type_error(broker: redisq.Broker, key: object) -> None:
+    broker.create_topic("t", partitions=2)
+    with broker.producer() as producer:
+        before = snapshot(broker)
+        with pytest.raises(TypeError, match=type(key).__name__):
+            producer.send("t", b"v", key=key)  # type: ignore[arg-type]
+        producer.flush()
+        assert snapshot(broker) == before
+
+
+@pytest.mark.parametrize("key", ["", b""], ids=repr)
+def test_empty_key_is_a_value_error(broker: redisq.Broker, key: str | bytes) -> None:
+    broker.create_topic("t", partitions=2)
+    with broker.producer() as producer:
+        before = snapshot(broker)
+        with pytest.raises(ValueError):
+            producer.send("t", b"v", key=key)
+        with pytest.raises(ValueError):
+            producer.send_async("t", b"v", key=key)
+        producer.flush()
+        assert snapshot(broker) == before
+
+
+def test_message_too_large(broker: redisq.Broker) -> None:
+    broker.create_topic("t")
+    with broker.producer(max_message_bytes=100) as producer:
+        fits = producer.send("t", b"x" * 100)
+        before = snapshot(broker)
+        with pytest.raises(redisq.MessageTooLarge) as info:
+            producer.send("t", b"x" * 101)
+        assert (info.value.size, info.value.limit) == (101, 100)
+        with pytest.raises(redisq.MessageTooLarge):  # the key counts
+            producer.send_async("t", b"x" * 100, key="k")
+        with pytest.raises(redisq.MessageTooLarge):  # and the headers
+            producer.send_async("t", b"x" * 90, headers={"name": "0123456789"})
+        producer.flush()
+        assert snapshot(broker) == before
+    assert [m.offset for m in broker.read("t", 0)] == [fits.offset]
+
+
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
+def test_headers_round_trip(broker: redisq.Broker, idempotence: str | None) -> None:
+    broker.create_topic("t", partitions=2)
+    headers = {
+        "trace-id": "abc-123",
+        "binary": b"\x00\xff\x10\r\n",
+        "ünïcode": "çödé ✓",
+        "empty": "",
+    }
+    with broker.producer(idempotence=idempotence) as producer:
+        with_headers = producer.send("t", b"v1", key="k", headers=headers)
+        without = producer.send("t", b"v2", key="k")
+    assert with_headers.partition == without.partition
+    first, second = broker.read("t", with_headers.partition)
+    assert first.headers == {
+        "trace-id": b"abc-123",
+        "binary": b"\x00\xff\x10\r\n",
+        "ünïcode": "çödé ✓".encode(),
+        "empty": b"",
+    }
+    assert all(isinstance(v, bytes) for v in first.headers.values())
+    assert (first.key, first.value) == (b"k", b"v1")
+    assert second.headers == {}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{1: "x"}, {b"name": "x"}, {None: "x"}, {"name": 5}, {"name": None}, [("name", "x")]],
+    ids=repr,
+)
+def test_bad_headers_are_type_errors_and_write_nothing(
+    broker: redisq.Broker, headers: object
+) -> None:
+    broker.create_topic("t", partitions=2)
+    with broker.producer() as producer:
+        before = snapshot(broker)
+        with pytest.raises(TypeError):
+            producer.send("t", b"v", key="k", headers=headers)  # type: ignore[arg-type]
+        producer.flush()
+        assert snapshot(broker) == before
+
+
+# -- idempotence="message_id" -------------------------------------------------------------------
+
+
+def test_same_message_id_is_written_once_and_answers_the_first_offset(
+    broker: redisq.Broker,
+) -> None:
+    broker.create_topic("payments", partitions=4)
+    with broker.producer(idempotence="message_id") as producer:
+        first = producer.send("payments", b"charge 10", message_id="pay-1")
+        again = producer.send("payments", b"charge 10 (retry)", message_id="pay-1")
+        numeric = producer.send("payments", b"n", message_id=123456)
+        numeric_again = producer.send("payments", b"n", message_id=123456)
+    assert first.duplicate is False
+    assert again.duplicate is True
+    assert again.offset == first.offset
+    # No key: the id routes the message, so its dedup scope (the partition) is always the same.
+    assert first.partition == again.partition == zlib.crc32(b"pay-1") % 4
+    assert numeric.partition == numeric_again.partition == zlib.crc32(b"123456") % 4
+    assert numeric_again.duplicate and numeric_again.offset == numeric.offset
+    stored = read_all(broker, "payments")
+    assert len(stored) == 2
+    [original] = [m for m in stored if m.message_id == b"pay-1"]
+    assert (original.offset, original.value) == (first.offset, b"charge 10")
+
+
+def test_message_id_dedup_across_producer_instances(broker: redisq.Broker) -> None:
+    broker.create_topic("payments", partitions=3)
+    with broker.producer(idempotence="message_id") as first_producer:
+        firsts = [
+            first_producer.send("payments", f"v{i}", message_id=f"id-{i}", key=f"acct-{i % 5}")
+            for i in range(20)
+        ]
+    with broker.producer(idempotence="message_id") as second_producer:
+        futures = [
+            second_producer.send_async(
+                "payments", f"v{i}", message_id=f"id-{i}", key=f"acct-{i % 5}"
+            )
+            for i in range(25)
+        ]
+        second_producer.flush()
+    seconds = [f.result(timeout=10) for f in futures]
+    for first, second in zip(firsts, seconds[:20], strict=True):
+        assert second.duplicate is True
+        assert (second.partition, second.offset) == (first.partition, first.offset)
+    assert not any(meta.duplicate for meta in seconds[20:])
+    stored = read_all(broker, "payments")
+    assert sorted(m.message_id for m in stored) == sorted(f"id-{i}".encode() for i in range(25))
+
+
+def test_duplicate_ids_inside_one_batch(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=2)
+    with broker.producer(idempotence="message_id", linger_ms=200) as producer:
+        futures = [producer.send_async("t", f"v{i}", message_id="same") for i in range(3)]
+        futures.append(producer.send_async("t", b"other", message_id="different"))
+        producer.flush()
+    metas = [f.result(timeout=10) for f in futures]
+    assert [m.duplicate for m in metas] == [False, True, True, False]
+    assert metas[1].offset == metas[2].offset == metas[0].offset
+    stored = read_all(broker, "t")
+    assert sorted(m.value for m in stored) == [b"other", b"v0"]
+
+
+def test_generated_message_ids_are_unique_and_stored(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=3)
+    with broker.producer(idempotence="message_id") as producer:
+        futures = [producer.send_async("t", f"v{i}") for i in range(3000)]
+        producer.flush()
+    metas = [f.result(timeout=10) for f in futures]
+    assert not any(m.duplicate for m in metas)
+    stored = read_all(broker, "t")
+    ids = [m.message_id for m in stored]
+    assert len(stored) == 3000
+    assert None not in ids
+    assert len(set(ids)) == 3000
+    for message in stored:  # without a key, the id routes the message
+        assert message.partition == zlib.crc32(message.message_id) % 3
+
+
+def test_no_idempotence_appends_plainly(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=2)
+    with broker.producer(idempotence=None) as producer:
+        first = producer.send("t", b"a", key="k")
+        second = producer.send("t", b"a", key="k")  # the same message twice: two entries
+        futures = [producer.send_async("t", f"v{i}", key="k") for i in range(100)]
+        producer.flush()
+    assert not first.duplicate and not second.duplicate
+    assert first.offset != second.offset
+    values = [m.value for m in broker.read("t", first.partition)]
+    assert values == [b"a", b"a"] + [f"v{i}".encode() for i in range(100)]
+    assert [f.result().offset for f in futures] == [
+        m.offset for m in broker.read("t", first.partition)
+    ][2:]
+
+
+# -- named producers and fencing ----------------------------------------------------------------
+
+
+@pytest.fixture
+def closing() -> Iterator[list[redisq.Producer]]:
+    """Producers to close at the end of a test, whatever happened to them."""
+    producers: list[redisq.Producer] = []
+    yield producers
+    for producer in producers:
+        producer.close(timeout=10)
+
+
+def test_new_instance_fences_the_old_one(
+    broker: redisq.Broker, closing: list[redisq.Producer]
+) -> None:
+    broker.create_topic("t1", partitions=2)
+    broker.create_topic("t2", partitions=2)
+    a = broker.producer(name="svc")
+    closing.append(a)
+    a_meta = [a.send("t1", f"a{i}", key=f"k{i}") for i in range(4)]
+
+    b = broker.producer(name="svc")
+    closing.append(b)
+    assert b.producer_id == a.producer_id
+    assert b.epoch > a.epoch
+
+    with pytest.raises(redisq.ProducerFenced):
+        a.send("t1", b"zombie-1", key="k1")
+    with pytest.raises(redisq.ProducerFenced):  # once fenced, fenced everywhere
+        a.send("t2", b"zombie-2", key="k1")
+    with pytest.raises(redisq.ProducerFenced):
+        a.send_async("t1", b"zombie-3", key="k2")
+
+    b_meta = [b.send("t1", f"b{i}", key=f"k{i}") for i in range(4)]
+    b_meta.append(b.send("t2", b"b-t2", key="k1"))
+    assert not any(m.duplicate for m in b_meta)
+
+    values = sorted(m.value for m in read_all(broker, "t1") + read_all(broker, "t2"))
+    assert values == sorted([b"a0", b"a1", b"a2", b"a3", b"b0", b"b1", b"b2", b"b3", b"b-t2"])
+    assert {m.offset for m in a_meta} <= {m.offset for m in read_all(broker, "t1")}
+
+
+def test_fenced_on_a_topic_the_old_instance_never_wrote(
+    broker: redisq.Broker, closing: list[redisq.Producer]
+) -> None:
+    broker.create_topic("t1", partitions=2)
+    broker.create_topic("fresh", partitions=2)
+    a = broker.producer(name="svc")
+    closing.append(a)
+    a.send("t1", b"a", key="k")
+    b = broker.producer(name="svc")
+    closing.append(b)
+    before = snapshot(broker)
+    with pytest.raises(redisq.ProducerFenced):
+        a.send("fresh", b"zombie", key="k")
+    with pytest.raises(redisq.ProducerFenced):
+        a.send("t1", b"zombie", key="k")
+    assert snapshot(broker) == before
+    assert b.send("fresh", b"b", key="k").duplicate is False
+    assert [m.value for m in read_all(broker, "fresh")] == [b"b"]
+
+
+def test_fencing_fails_batches_in_flight(
+    broker: redisq.Broker, closing: list[redisq.Producer]
+) -> None:
+    broker.create_topic("t", partitions=2)
+    a = broker.producer(name="svc", linger_ms=60_000)
+    closing.append(a)
+    a.send("t", b"before", key="k")
+    pending = [a.send_async("t", f"p{i}", key="k") for i in range(10)]  # lingering
+    b = broker.producer(name="svc")
+    closing.append(b)
+    a.flush(timeout=10)
+    for future in pending:
+        assert isinstance(future.exception(timeout=10), redisq.ProducerFenced)
+    with pytest.raises(redisq.ProducerFenced):
+        a.send_async("t", b"later", key="k")
+    assert [m.value for m in read_all(broker, "t")] == [b"before"]
+
+
+def test_producers_with_different_names_do_not_fence_each_other(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=1)
+    with broker.producer(name="one") as one, broker.producer(name="two") as two:
+        one.send("t", b"1a")
+        two.send("t", b"2a")
+        one.send("t", b"1b")
+        two.send("t", b"2b")
+        assert one.producer_id != two.producer_id
+    assert [m.value for m in broker.read("t", 0)] == [b"1a", b"2a", b"1b", b"2b"]
+
+
+# -- retention ----------------------------------------------------------------------------------
+
+
+def test_retention_by_count_keeps_the_newest_near_the_bound(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=1, retention_messages=100)
+    with broker.producer(max_batch_messages=50) as producer:
+        futures = [producer.send_async("t", f"v{i}") for i in range(3000)]
+        producer.flush()
+    offsets = [f.result().offset for f in futures]
+    stored = list(broker.read("t", 0))
+    length = broker.client.xlen(broker.keys.log("t", 0))
+    assert length == len(stored)
+    # Approximate trimming (MAXLEN ~) keeps at least the bound and drops whole stream nodes.
+    assert 100 <= length <= 300, length
+    assert [m.offset for m in stored] == offsets[-length:]
+    assert stored[-1].value == b"v2999"
+
+
+def test_retention_by_age_trims_old_entries_on_a_later_write(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=1, retention_ms=1000)
+    with broker.producer(max_batch_messages=100) as producer:
+        old = [producer.send_async("t", f"old{i}") for i in range(1000)]
+        producer.flush()
+        assert broker.describe_topic("t").total_messages == 1000  # nothing is old yet
+        time.sleep(1.3)
+        new = [producer.send_async("t", f"new{i}") for i in range(50)]
+        producer.flush()
+    assert all(f.exception() is None for f in old + new)
+    stored = list(broker.read("t", 0))
+    remaining_old = [m for m in stored if m.value.startswith(b"old")]
+    # MINID ~ drops whole stream nodes (at most 100 entries each by default).
+    assert len(remaining_old) < 100, len(remaining_old)
+    assert [m.value for m in stored if m.value.startswith(b"new")] == [
+        f"new{i}".encode() for i in range(50)
+    ]
+
+
+# -- acks ---------------------------------------------------------------------------------------
+
+
+def test_acks_fsync_needs_waitaof_and_aof(broker: redisq.Broker, backend: str) -> None:
+    """The shared servers: Redis 7.0 has no WAITAOF; the fixture's Valkey runs without AOF;
+    acks other than "leader" are refused on a cluster. Each refuses at creation."""
+    broker.create_topic("t")
+    before = snapshot(broker)
+    with pytest.raises(redisq.UnsupportedServer) as info:
+        broker.producer(acks="fsync")
+    if backend == "redis" and broker.server.startswith("redis 7.0"):
+        assert "WAITAOF" in str(info.value)
+    assert snapshot(broker) == before
+
+
+def test_acks_fsync_on_valkey_with_aof() -> None:
+    server = ServerProcess(config={"appendonly": "yes", "appendfsync": "everysec"}).start()
+    try:
+        with redisq.connect(server.url, namespace=f"t{uuid.uuid4().hex[:8]}") as broker:
+            broker.create_topic("t", partitions=2)
+            with broker.producer(acks="fsync") as producer:
+                meta = producer.send("t", b"durable", key="k")
+                futures = [producer.send_async("t", f"v{i}", key="k") for i in range(200)]
+                producer.flush()
+            assert all(f.exception() is None for f in futures)
+            values = [m.value for m in broker.read("t", meta.partition)]
+            assert values == [b"durable"] + [f"v{i}".encode() for i in range(200)]
+    finally:
+        server.stop()
+
+
+# -- the broker-side window (produce_sequence.lua, driven directly) ------------------------------
+
+PID = 900_001
+
+
+def produce_sequence(
+    broker: redisq.Broker,
+    base: int,
+    values: list[bytes],
+    *,
+    epoch: int = 1,
+    acked_next: int = 0,
+    window: int = 3,
+) -> list[object]:
+    keys = [broker.keys.log("w", 0), broker.keys.producer_state("w", 0, PID)]
+    messages: list[object] = []
+    for value in values:
+        messages += [b"key", value]
+    sequences = [str(base + i) for i in range(len(values))]
+    args = [PID, epoch, base, len(values), acked_next, window, 60_000, 0, 0, "kv"]
+    return list(broker.scripts.call("produce_sequence", keys, [*args, *messages, *sequences]))
+
+
+def stream(broker: redisq.Broker) -> list[redisq.Message]:
+    return list(broker.read("w", 0))
+
+
+def test_window_resent_batch_inside_window_is_a_dup_with_original_offset(
+    broker: redisq.Broker,
+) -> None:
+    broker.create_topic("w")
+    status, first = produce_sequence(broker, 0, [b"a", b"b"])
+    assert status == b"OK"
+    assert produce_sequence(broker, 2, [b"c"])[0] == b"OK"
+    before = snapshot(broker)
+
+    assert produce_sequence(broker, 0, [b"a", b"b"]) == [b"DUP", first]
+    assert snapshot(broker) == before
+    stored = stream(broker)
+    assert [m.value for m in stored] == [b"a", b"b", b"c"]
+    assert stored[0].offset == first.decode()
+    assert [(m.producer_id, m.sequence) for m in stored] == [(PID, 0), (PID, 1), (PID, 2)]
+
+
+def test_window_older_duplicate_has_no_offset(broker: redisq.Broker) -> None:
+    broker.create_topic("w")
+    for base in range(5):  # five one-message batches; the window remembers the last 3
+        assert produce_sequence(broker, base, [b"%d" % base])[0] == b"OK"
+    before = snapshot(broker)
+    assert produce_sequence(broker, 0, [b"0"]) == [b"DUP"]
+    assert produce_sequence(broker, 1, [b"1"]) == [b"DUP"]
+    assert produce_sequence(broker, 2, [b"2"])[0] == b"DUP"
+    assert len(produce_sequence(broker, 2, [b"2"])) == 2  # still inside the window
+    assert snapshot(broker) == before
+    assert [m.value for m in stream(broker)] == [b"0", b"1", b"2", b"3", b"4"]
+
+
+def test_window_gap_is_out_of_order_with_the_expected_sequence(broker: redisq.Broker) -> None:
+    broker.create_topic("w")
+    produce_sequence(broker, 0, [b"a", b"b", b"c"])
+    before = snapshot(broker)
+    with pytest.raises(redisq.OutOfOrderSequence) as info:
+        produce_sequence(broker, 5, [b"f"])
+    assert info.value.expected == 3
+    assert info.value.retriable
+    assert snapshot(broker) == before
+    assert produce_sequence(broker, 3, [b"d"])[0] == b"OK"  # the expected one goes in
+    assert [m.value for m in stream(broker)] == [b"a", b"b", b"c", b"d"]
+
+
+def test_window_older_epoch_is_fenced(broker: redisq.Broker) -> None:
+    broker.create_topic("w")
+    produce_sequence(broker, 0, [b"a"], epoch=1)
+    assert produce_sequence(broker, 0, [b"b"], epoch=2)[0] == b"OK"  # a new epoch restarts
+    before = snapshot(broker)
+    with pytest.raises(redisq.ProducerFenced):
+        produce_sequence(broker, 1, [b"zombie"], epoch=1)
+    with pytest.raises(redisq.ProducerFenced):
+        produce_sequence(broker, 0, [b"a"], epoch=1)
+    assert snapshot(broker) == before
+    assert [m.value for m in stream(broker)] == [b"a", b"b"]
+
+
+def test_window_missing_topic(broker: redisq.Broker) -> None:
+    before = snapshot(broker)
+    with pytest.raises(redisq.TopicNotFound):
+        produce_sequence(broker, 0, [b"a"])
+    assert snapshot(broker) == before
