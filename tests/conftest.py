@@ -6,6 +6,7 @@ REDIS_URL or from a redis-server on PATH), and a fresh namespace per test.
     valkey-cluster  the same binary as a one-node Redis Cluster (scripts with the #!lua flags line
                     are refused any key they did not declare)
     redis           REDIS_URL when set (CI: the machine's Redis 7.0), else a redis-server on PATH
+    valkey-cluster3 a three-master Redis Cluster (marker `cluster`): partitions on every node
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import redis
 import redisq
 from tests.servers import ServerProcess, redis_binary, start_cluster
 
-BACKENDS = ["valkey", "valkey-cluster", "redis"]
+BACKENDS = [
+    "valkey",
+    "valkey-cluster",
+    "redis",
+    # Three masters (issue 5): a topic's partitions, and the dead-letter topic, sit on different
+    # nodes. Deselect with -m "not cluster".
+    pytest.param("valkey-cluster3", marks=pytest.mark.cluster),
+]
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +42,14 @@ def valkey_server() -> Iterator[ServerProcess]:
 def valkey_cluster() -> Iterator[ServerProcess]:
     nodes = start_cluster(masters=1)
     yield nodes[0]
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster3() -> Iterator[list[ServerProcess]]:
+    nodes = start_cluster(masters=3)
+    yield nodes
     for node in nodes:
         node.stop()
 
@@ -56,6 +72,8 @@ def redis_url() -> Iterator[str]:
 def backend_url(request: pytest.FixtureRequest, backend: str) -> str:
     if backend == "valkey":
         return request.getfixturevalue("valkey_server").url
+    if backend == "valkey-cluster3":
+        return f"redis://127.0.0.1:{request.getfixturevalue('valkey_cluster3')[0].port}"
     if backend == "valkey-cluster":
         node = request.getfixturevalue("valkey_cluster")
         return f"redis://127.0.0.1:{node.port}"
