@@ -6,8 +6,9 @@ order; and migrating the slot of one partition (SETSLOT IMPORTING/MIGRATING, MIG
 SETSLOT NODE) while a producer writes loses and duplicates nothing: the producer follows ASK
 (ASKING + retry on the importing node), TRYAGAIN (keys split between the nodes) and MOVED.
 
-TODO(issue 5, consumer part): consume / leases / dead letters on this cluster, once
-redisq/consumer.py lands (see the list at the end of this file).
+Consumer groups (leases, fencing, dead letters) run on a three-master cluster through the
+broker-parametrised suite (backend "valkey-cluster3" in conftest.py); the tests at the end add a
+group consuming across masters and a slot migration under a consuming group.
 """
 
 from __future__ import annotations
@@ -261,12 +262,137 @@ def test_slot_migration_while_producing(
         assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
 
 
-# TODO(issue 5, consumer part), once redisq/consumer.py (`broker.consumer(...)`) lands:
-#   - test_consume_on_cluster: a group of 3 consumers reads the 12-partition topic spread over
-#     the 3 masters; every message handled once (idempotent handler), per-key order kept.
-#   - test_leases_on_cluster: lease keys live in each partition's slot (same hash tag); a lease
-#     lost (PEXPIRE 1 on its key) fences the old owner's acks on a cluster node.
-#   - test_dead_letters_on_cluster: a poison message lands in the group's dead-letter topic,
-#     whose partitions are on other masters than the source partition.
-#   - test_slot_migration_while_consuming: migrate_slot() of a partition while a group
-#     consumes and acks: no message lost or handled twice after the ack.
+# -- consuming on the cluster ---------------------------------------------------------------
+# The broker-parametrised suite (tests/test_consumer.py: leases, fencing, rebalancing, dead
+# letters, ...) runs on a three-master cluster as backend "valkey-cluster3"; these add what only
+# a cluster shows: leases live beside their partitions, and a slot moves under a consuming group.
+
+
+class KeyOrder:
+    """A handler recording, per key, the send index of each message it handles."""
+
+    def __init__(self, sleep_every: int = 0) -> None:
+        self.lock = threading.Lock()
+        self.handled: dict[bytes, list[int]] = defaultdict(list)
+        self.count = 0
+        self.sleep_every = sleep_every
+
+    def __call__(self, message: redisq.Message) -> None:
+        index = int(message.value.rsplit(b":", 1)[1])
+        with self.lock:
+            self.handled[message.key or b""].append(index)
+            self.count += 1
+            pause = self.sleep_every and self.count % self.sleep_every == 0
+        if pause:
+            time.sleep(0.01)
+
+    def check(self, sent: Sent) -> int:
+        """Every sent message handled; per key, first deliveries in send order. Returns the
+        number of redeliveries (at-least-once: allowed, counted)."""
+        expected: dict[bytes, list[int]] = defaultdict(list)
+        for i, (key, _, _) in enumerate(sent):
+            expected[key].append(i)
+        redelivered = 0
+        for key, indexes in expected.items():
+            got = self.handled.get(key, [])
+            first: list[int] = []
+            seen: set[int] = set()
+            for index in got:
+                if index in seen:
+                    redelivered += 1
+                else:
+                    seen.add(index)
+                    first.append(index)
+            assert first == indexes, f"key {key!r}: handled {first[:10]}..., sent {indexes[:10]}..."
+        return redelivered
+
+
+def produce_keyed(broker: redisq.Broker, count: int, keys: int) -> Sent:
+    rng = random.Random(count)
+    sent: Sent = []
+    with broker.producer(max_batch_messages=200) as producer:
+        for i in range(count):
+            key = b"key-%d" % rng.randrange(keys)
+            sent.append(
+                (key, b"%s:%d" % (key, i), producer.send_async(TOPIC, b"%s:%d" % (key, i), key=key))
+            )
+        producer.flush(timeout=120)
+    return sent
+
+
+def run_group(
+    broker: redisq.Broker, handler: KeyOrder, members: int, **options: object
+) -> list[threading.Thread]:
+    consumers = [
+        broker.consumer(TOPIC, group="billing", name=f"m{i}", lease_ttl_ms=3000, **options)
+        for i in range(members)
+    ]
+    threads = [
+        threading.Thread(target=c.run, args=(handler,), kwargs={"idle_timeout": 4.0}, daemon=True)
+        for c in consumers
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def group_pending(broker: redisq.Broker) -> int:
+    total = 0
+    for p in range(PARTITIONS):
+        for group in broker.client.xinfo_groups(broker.keys.log(TOPIC, p)):
+            total += int(group["pending"])
+    return total
+
+
+def test_group_consumes_across_masters_with_leases_beside_partitions(
+    broker: redisq.Broker, cluster3: list[ServerProcess]
+) -> None:
+    broker.create_topic(TOPIC, partitions=PARTITIONS)
+    sent = produce_keyed(broker, 6000, keys=300)
+    handler = KeyOrder()
+    threads = run_group(broker, handler, members=3)
+
+    def leases_held() -> bool:
+        return all(
+            broker.client.exists(broker.keys.lease(TOPIC, p, "billing")) for p in range(PARTITIONS)
+        )
+
+    deadline = time.monotonic() + 60
+    while not leases_held() and time.monotonic() < deadline and handler.count < len(sent):
+        time.sleep(0.05)
+    nodes = set()
+    for p in range(PARTITIONS):
+        lease = broker.keys.lease(TOPIC, p, "billing")
+        assert broker.client.keyslot(lease) == broker.client.keyslot(broker.keys.log(TOPIC, p))
+        nodes.add(broker.client.get_node_from_key(lease).name)
+    assert len(nodes) == 3  # leases are spread like their partitions
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    handler.check(sent)
+    assert group_pending(broker) == 0
+
+
+@pytest.mark.fault
+def test_slot_migration_while_consuming(
+    broker: redisq.Broker, cluster3: list[ServerProcess]
+) -> None:
+    broker.create_topic(TOPIC, partitions=PARTITIONS)
+    sent = produce_keyed(broker, 8000, keys=300)
+    slot = broker.client.keyslot(broker.keys.log(TOPIC, 5))
+    handler = KeyOrder(sleep_every=20)  # slow enough that the migration lands mid-stream
+    threads = run_group(broker, handler, members=2, batch_size=50)
+    deadline = time.monotonic() + 60
+    while handler.count < 1000 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert handler.count < len(sent), "consumed everything before the migration"
+    source, target, moved = migrate_slot(cluster3, slot)
+    for thread in threads:
+        thread.join(timeout=180)
+    assert not any(t.is_alive() for t in threads)
+    assert moved >= 3  # stream, lease, fencing counter, ...
+    redelivered = handler.check(sent)
+    print(f"slot migration while consuming: {redelivered} redeliveries")
+    assert group_pending(broker) == 0
+    with source.client() as src:
+        assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
