@@ -734,7 +734,8 @@ class Consumer:
             while self._may_handle(part):
                 try:
                     if part.claiming:
-                        part.held.clear()  # the claim hands every held entry back, in order
+                        if part.cursor == "0-0":
+                            part.held.clear()  # the claim hands every held entry back, in order
                         messages = self._claim_pending(part, self.batch_size)
                         self._handle_batch(part, messages)
                         self._flush_acks(part)

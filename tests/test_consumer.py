@@ -445,7 +445,7 @@ def test_cli_group_lag_dlq(
     plot = tmp_path / "lag.png"
     assert cli.main(["lag", "orders", *base, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "lag" in out
+    assert "lag" in out and plot.stat().st_size > 0
     assert cli.main(["dlq", "list", "orders", "g", *base]) == 0
     out = capsys.readouterr().out
     assert out.count("RuntimeError") == 2
