@@ -21,6 +21,11 @@ same order, as Spark's sources (this one included) give it.
 
 "message_id" instead dedups on a message_id column (your idempotency key) for the topic's dedup
 window, whatever Spark replays; "none" appends plainly (a retry may write twice).
+
+Options: url, namespace, topic, idempotence (sequence | message_id | none), batchSize (rows
+per produce call, 500), maxInFlight (batches per pipeline round trip, 8). _failAfterRows is a
+fault-injection hook for tests: the first attempt of every task fails once that many of its
+rows are acknowledged.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +199,7 @@ def _as_bytes(value: Any) -> bytes | None:
 def _headers_blob(value: Any) -> bytes:
     if not value:
         return b""
+    pairs: Iterable[tuple[Any, Any]]
     if isinstance(value, Mapping):
         pairs = value.items()
     elif isinstance(value[0], tuple):  # a map column in Arrow: [(name, value), ...]

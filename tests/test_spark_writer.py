@@ -69,7 +69,17 @@ def test_task_that_fails_once_still_writes_every_row_exactly_once(
     )
     # Each task's first attempt dies after 600 rows were acknowledged by the broker; Spark
     # retries it (local[2,2]: spark.task.maxFailures=2) and the retry re-sends those batches.
-    write(df, spark_broker, topic="once", batchSize=100, maxInFlight=2, _failAfterRows=600)
+    context = spark.sparkContext
+    context.setJobGroup("fail-once", "writer with injected task failures")
+    try:
+        write(df, spark_broker, topic="once", batchSize=100, maxInFlight=2, _failAfterRows=600)
+    finally:
+        context.setLocalProperty("spark.jobGroup.id", None)
+    tracker = context.statusTracker()
+    stages = [
+        s for j in tracker.getJobIdsForGroup("fail-once") for s in tracker.getJobInfo(j).stageIds
+    ]
+    assert sum(tracker.getStageInfo(s).numFailedTasks for s in stages) == 2  # both retried
     messages = all_messages(spark_broker, "once")
     values = [m.value for m in messages]
     assert len(values) == len(set(values)) == 3000
