@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
@@ -218,10 +219,20 @@ def _show(value: bytes | None) -> str:
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
-    """With --group: a member of that consumer group (the real consumer: leases, acks, pending
-    entries first). Without: a simple reader (XRANGE per partition) that changes nothing."""
-    if args.group is not None:
-        return _consume_group(args)
+    """The real consumer: a member of --group, or (as Kafka's console consumer does) of a
+    temporary group `console-<random>` that is deleted afterwards. With --partition or --start it
+    only browses (XRANGE per partition) and changes nothing."""
+    if args.partition is None and args.start is None:
+        if args.group is not None:
+            return _consume_group(args)
+        args.group = f"console-{uuid.uuid4().hex[:8]}"
+        try:
+            return _consume_group(args)
+        finally:
+            from redisq.group import delete_group
+
+            with _connect(args) as broker:
+                delete_group(broker, args.topic, args.group)
     with _connect(args) as broker:
         config = broker.topic_config(args.topic)
         partitions = (
@@ -229,7 +240,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
         )
         printed = 0
         for p in partitions:
-            for message in broker.read(args.topic, p, start=args.start):
+            for message in broker.read(args.topic, p, start=args.start or "-"):
                 print(
                     f"{message.partition}\t{message.offset}\t{_show(message.key)}\t{_show(message.value)}"
                 )
@@ -637,11 +648,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     consume = sub.add_parser("consume", parents=[common], help="print a topic's messages")
     consume.add_argument("topic")
-    consume.add_argument("--partition", type=int, default=None)
-    consume.add_argument("--start", default="-", help="first offset (stream ID), default: earliest")
+    consume.add_argument(
+        "--partition", type=int, default=None, help="browse one partition without a group"
+    )
+    consume.add_argument(
+        "--start", default=None, help="browse from this offset (stream ID) without a group"
+    )
     consume.add_argument("--max", type=int, default=None, help="stop after this many messages")
     consume.add_argument(
-        "--group", default=None, help="consume as a member of this group (acks what it prints)"
+        "--group",
+        default=None,
+        help="consume as a member of this group (acks what it prints); default: a temporary "
+        "group, deleted afterwards",
     )
     consume.add_argument("--name", default=None, help="member name (with --group)")
     consume.add_argument("--mode", choices=["orderly", "concurrent"], default="orderly")
