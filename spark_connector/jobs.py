@@ -333,7 +333,7 @@ class AuditResult:
         producers = len({r.producer_id for r in self.rows})
         head = (
             f"Spark ordering audit of {topic!r}: {self.messages:,} messages, {audited:,} with "
-            f"producer sequences from {producers} producer(s), {len(self.key_rows):,} keys"
+            f"producer sequences from {producers} producer(s)"
         )
         if self.clean:
             return head + ": CLEAN (no sequence gaps, duplicates or out-of-order messages)"
@@ -391,6 +391,7 @@ def plot_audit(rows: Sequence[Any], path: str | Path, title: str) -> Path:
     ax.set_xlabel("partition")
     ax.set_ylabel("messages")
     ax.set_xticks(partitions)
+    ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_title(title)
     ax.legend()
     return _save(fig, path)
