@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import redis
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -600,31 +601,62 @@ def to_record_batch(
 def read_range(opts: ReadOptions, part: RangePartition) -> Iterator[pa.RecordBatch]:
     """XRANGE [start, end) in fetch_count chunks, one Arrow batch per chunk."""
     broker = reader_broker(opts.url, opts.namespace)
-    client = broker.client
     key = broker.keys.log(part.topic, part.partition)
     schema = arrow_schema(opts.include_headers, opts.include_metadata)
-    cursor = part.start
-    upper = "(" + part.end
     checked = False
-    while True:
-        entries = client.execute_command("XRANGE", key, cursor, upper, "COUNT", opts.fetch_count)
+    for entries in _xrange_chunks(broker.client, key, part.start, part.end, opts.fetch_count):
         if not checked:
             # After the first read: anything trimmed before it is visible to this check.
             _check_data_loss(broker, opts, part)
             checked = True
-        if not entries:
-            return
-        yield to_record_batch(
-            entries,
-            part.topic,
-            part.partition,
-            opts.include_headers,
-            opts.include_metadata,
-            schema,
-        )
-        if len(entries) < opts.fetch_count:
-            return
-        cursor = "(" + _decode(entries[-1][0])
+        if entries:
+            yield to_record_batch(
+                entries,
+                part.topic,
+                part.partition,
+                opts.include_headers,
+                opts.include_metadata,
+                schema,
+            )
+
+
+def _xrange_chunks(client: Any, key: str, start: str, end: str, count: int) -> Iterator[Any]:
+    """Raw XRANGE replies over [start, end), the last one possibly empty.
+
+    On a plain (non-cluster) client the next XRANGE is sent before the current chunk is handed
+    on: the server and the network work while this process builds the Arrow batch. The next
+    cursor is known from the raw reply's last ID, so nothing waits for the conversion."""
+    upper = "(" + end
+    if not isinstance(client, redis.Redis):
+        cursor = start
+        while True:
+            entries = client.execute_command("XRANGE", key, cursor, upper, "COUNT", count)
+            yield entries
+            if len(entries) < count:
+                return
+            cursor = "(" + _decode(entries[-1][0])
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    outstanding = False
+    try:
+        connection.send_command("XRANGE", key, start, upper, "COUNT", count)
+        outstanding = True
+        while True:
+            entries = connection.read_response()
+            outstanding = False
+            more = len(entries) == count
+            if more:
+                connection.send_command(
+                    "XRANGE", key, "(" + _decode(entries[-1][0]), upper, "COUNT", count
+                )
+                outstanding = True
+            yield entries
+            if not more:
+                return
+    finally:
+        if outstanding:  # closed early: an unread reply would desynchronise the connection
+            connection.disconnect()
+        pool.release(connection)
 
 
 def _check_data_loss(broker: redisq.Broker, opts: ReadOptions, part: RangePartition) -> None:
