@@ -218,11 +218,13 @@ def run_failover(acks: str, namespace: str) -> dict[str, int]:
             thread = threading.Thread(target=produce, daemon=True)
             thread.start()
             time.sleep(1.5)
+            failover_at = time.monotonic()
             with sentinel.client() as client:
                 client.execute_command("SENTINEL", "FAILOVER", SERVICE)
             wait_for(lambda: sentinel.master_port() == replica.port, what="the failover")
             with primary.client() as client:  # the old primary stops taking writes
                 client.execute_command("REPLICAOF", "127.0.0.1", replica.port)
+            split_ms = int((time.monotonic() - failover_at) * 1000)
             time.sleep(1.5)
             stop.set()
             thread.join(timeout=30)
@@ -241,6 +243,7 @@ def run_failover(acks: str, namespace: str) -> dict[str, int]:
             "acknowledged_lost": len(lost),
             "failed_unacknowledged": len(failed),
             "stored_twice": sum(1 for n in stored.values() if n > 1),
+            "split_ms": split_ms,  # from SENTINEL FAILOVER until the old primary was demoted
         }
     finally:
         sentinel.stop()
