@@ -328,9 +328,9 @@ class Producer:
             if not int(self._client.info("persistence").get("aof_enabled", 0)):
                 # WAITAOF 1 would fail on every batch until the delivery timeout.
                 raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
-        if self.acks in ("replicas", "fsync") and self.broker.is_cluster:
+        if self.acks == "fsync" and self.broker.is_cluster:
             raise UnsupportedServer(
-                f'acks="{self.acks}" is not supported on Redis Cluster yet; use acks="leader"'
+                'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
             )
 
     def _init_identity(self) -> None:

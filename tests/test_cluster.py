@@ -28,7 +28,8 @@ import redis
 import redisq
 from redisq.producer import SendFuture
 from redisq.transport import Redirect, Transport
-from tests.servers import ServerProcess, redis_binary, start_cluster
+from tests.replication import wait_for
+from tests.servers import ServerProcess, cluster_free_port, redis_binary, start_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -396,3 +397,99 @@ def test_slot_migration_while_consuming(
     assert group_pending(broker) == 0
     with source.client() as src:
         assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+
+
+# -- acks="replicas" on a cluster with one replica per master -----------------------------------
+
+
+@pytest.fixture
+def cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[ServerProcess]]]:
+    primaries = start_cluster(None, masters=3)
+    replicas: list[ServerProcess] = []
+    try:
+        for primary in primaries:
+            replica = ServerProcess(
+                port=cluster_free_port(),
+                config={
+                    "cluster-enabled": "yes",
+                    "cluster-config-file": "nodes.conf",
+                    "cluster-node-timeout": "2000",
+                },
+            ).start()
+            replicas.append(replica)
+            with primary.client() as client:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port)
+        wait_for(
+            lambda: all(
+                b"cluster_known_nodes:6" in r.client().execute_command("CLUSTER", "INFO")
+                for r in replicas
+            ),
+            what="the replicas to join",
+        )
+        for primary, replica in zip(primaries, replicas, strict=True):
+            with replica.client() as client:
+                client.execute_command("CLUSTER", "REPLICATE", node_id(primary))
+        wait_for(
+            lambda: all(
+                p.client().info("replication").get("connected_slaves") == 1 for p in primaries
+            ),
+            what="every primary to have its replica",
+        )
+        yield primaries, replicas
+    finally:
+        for node in replicas + primaries:
+            node.stop()
+
+
+def replica_length(replica: ServerProcess, key: str) -> int:
+    with replica.client(single_connection_client=True) as client:
+        client.execute_command("READONLY")  # a cluster replica serves reads only after READONLY
+        return int(client.xlen(key))
+
+
+@pytest.mark.fault
+def test_acks_replicas_on_cluster(
+    cluster_with_replicas: tuple[list[ServerProcess], list[ServerProcess]],
+) -> None:
+    primaries, replicas = cluster_with_replicas
+    namespace = f"r{uuid.uuid4().hex[:8]}"
+    with redisq.connect(f"redis://127.0.0.1:{primaries[0].port}", namespace=namespace) as broker:
+        broker.create_topic(TOPIC, partitions=PARTITIONS)
+        with broker.producer(acks="replicas", ack_timeout_ms=2000) as producer:
+            futures = [
+                producer.send_async(TOPIC, b"m%d" % i, key=b"k%d" % (i % 100)) for i in range(3000)
+            ]
+            producer.flush(timeout=120)
+        assert all(f.exception(timeout=0) is None for f in futures)
+        # WAIT went to each primary after its own writes: every replica already holds its share.
+        by_port = {p.port: r for p, r in zip(primaries, replicas, strict=True)}
+        total = 0
+        for info in broker.describe_topic(TOPIC).partitions:
+            replica = by_port[int(str(info.node).rsplit(":", 1)[1])]
+            assert replica_length(replica, broker.keys.log(TOPIC, info.partition)) == info.length
+            total += info.length
+        assert total == 3000
+
+        # One replica down: its primary's partitions fail with NotEnoughReplicas, others go on.
+        replicas[0].kill()
+        wait_for(
+            lambda: primaries[0].client().info("replication")["connected_slaves"] == 0,
+            what="the primary to notice",
+        )
+        down = {
+            p.partition
+            for p in broker.describe_topic(TOPIC).partitions
+            if p.node == f"127.0.0.1:{primaries[0].port}"
+        }
+        assert down
+        with broker.producer(
+            acks="replicas", ack_timeout_ms=200, delivery_timeout_ms=2000
+        ) as producer:
+            for p in range(PARTITIONS):
+                if p in down and p != min(down):
+                    continue  # one of them shows it; each costs the delivery timeout
+                if p in down:
+                    with pytest.raises(redisq.DeliveryTimeout, match="NotEnoughReplicas"):
+                        producer.send(TOPIC, b"x", partition=p)
+                else:
+                    assert producer.send(TOPIC, b"x", partition=p).offset
