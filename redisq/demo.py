@@ -25,6 +25,7 @@ import redis
 
 import redisq
 from redisq.cli import Progress, print_table
+from redisq.connection import resolve_url
 
 TOPIC = "demo-orders"
 CHAOS_NAME = "redisq-demo-producer"
@@ -226,6 +227,23 @@ def consume_with_lost_member(
     }
 
 
+def spark_audit(url: str | None, namespace: str) -> bool | None:
+    """The ordering audit of the demo topic with a local Spark; None if Spark cannot run here."""
+    try:
+        from spark_connector.jobs import demo_audit
+    except ImportError:
+        print("  skipped: install the [spark] extra (pyspark, pyarrow) and Java 17 for this step")
+        return None
+    resolved, _ = resolve_url(url)  # the embedded server's url, for the Spark workers
+    try:
+        clean, verdict = demo_audit(resolved, namespace, TOPIC)
+    except Exception as exc:  # no JVM, no pyarrow on the workers, ...
+        print(f"  skipped: Spark could not run here ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
+    print("  " + verdict.replace("\n", "\n  "))
+    return clean
+
+
 def run_demo(args: argparse.Namespace) -> int:
     namespace = f"demo-{uuid.uuid4().hex[:8]}"
     url = args.url
@@ -277,6 +295,12 @@ def run_demo(args: argparse.Namespace) -> int:
         else "  CHECK FAILED"
     )
     ok = ok and consumed_ok
+
+    print("\n5. Spark audits the demo topic: per producer and partition, sequence gaps, duplicates")
+    print("   and out-of-order messages; per key, out-of-order messages")
+    audit = spark_audit(url, namespace)
+    if audit is not None:
+        ok = ok and audit
 
     cleanup = redisq.connect(url, namespace=namespace)
     for topic in cleanup.list_topics():

@@ -34,9 +34,12 @@ def get_session(
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    remote = remote or os.environ.get("SPARK_REMOTE")
+    if not remote and (master or "local").startswith("local"):
+        # A local session listens on loopback only (and says nothing about the host name).
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
-    remote = remote or os.environ.get("SPARK_REMOTE")
     builder = SparkSession.builder.appName(app_name)
     if remote:
         builder = builder.remote(remote)
