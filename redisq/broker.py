@@ -13,7 +13,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from redisq import connection
-from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicExists, TopicNotFound
+from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicExists, TopicNotFound, check_int
 from redisq.keys import KeySpace, validate_topic
 from redisq.records import Message, decode_entry
 from redisq.scripts import Scripts, is_fake
@@ -88,15 +88,6 @@ class TopicDescription:
         return sum(p.length for p in self.partitions)
 
 
-def _positive_int(name: str, value: object, *, minimum: int = 0, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = f"..{maximum}" if maximum is not None else " or more"
-        raise InvalidConfig(f"{name}={value} is out of range: {minimum}{upper}")
-    return value
-
-
 class Broker:
     """A connection to one Redis/Valkey deployment and one namespace of keys.
 
@@ -152,13 +143,13 @@ class Broker:
         With exist_ok, an existing topic is returned as it is.
         """
         validate_topic(topic)
-        _positive_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
-        _positive_int("retention_ms", retention_ms)
-        _positive_int("retention_messages", retention_messages)
-        _positive_int("producer_state_ttl_ms", producer_state_ttl_ms, minimum=1000)
+        check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
+        check_int("retention_ms", retention_ms)
+        check_int("retention_messages", retention_messages)
+        check_int("producer_state_ttl_ms", producer_state_ttl_ms, minimum=1000)
         if dedup_window_ms is None:
             dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
-        _positive_int("dedup_window_ms", dedup_window_ms, minimum=1000)
+        check_int("dedup_window_ms", dedup_window_ms, minimum=1000)
         existing = self._read_config(topic)
         if existing is not None:
             if exist_ok:
@@ -210,7 +201,7 @@ class Broker:
         metadata refresh (30 s) or at once when they are created afterwards.
         """
         config = self.topic_config(topic, refresh=True)
-        _positive_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
+        check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
         if partitions <= config.partitions:
             raise InvalidConfig(
                 f"partitions={partitions}: topic {topic!r} has {config.partitions}; "
@@ -341,9 +332,7 @@ class Broker:
 
         return Producer(self, name=name, **options)
 
-    def consumer(
-        self, topic: str, group: str, name: str | None = None, **options: Any
-    ) -> Consumer:
+    def consumer(self, topic: str, group: str, name: str | None = None, **options: Any) -> Consumer:
         """A member of consumer group `group` on `topic`; see `redisq.consumer.Consumer`."""
         from redisq.consumer import Consumer
 

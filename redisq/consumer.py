@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from redisq.deadletter import DeadLetterWriter
-from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost
+from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.group import MODES, STARTS, GroupMembership, Lease, assign_partitions
 from redisq.idempotent import IdempotentHandler
 from redisq.keys import validate_name
@@ -100,15 +100,6 @@ def _default_name() -> str:
     return f"{host or 'host'}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < minimum or (maximum is not None and value > maximum):
-        upper = f"..{maximum}" if maximum is not None else " or more"
-        raise InvalidConfig(f"{name}={value} is out of range: {minimum}{upper}")
-    return value
-
-
 class Consumer:
     """A member of consumer group `group` of `topic`. Create it with `broker.consumer(...)`.
 
@@ -159,23 +150,23 @@ class Consumer:
             raise InvalidConfig(f"failure_policy={failure_policy!r}: expected one of {POLICIES}")
         if failure_policy == "park_key" and mode != "orderly":
             raise InvalidConfig("failure_policy='park_key' needs mode='orderly'")
-        _check_int("lease_ttl_ms", lease_ttl_ms, 300, 3_600_000)
+        check_int("lease_ttl_ms", lease_ttl_ms, 300, 3_600_000)
         session_timeout_ms = session_timeout_ms if session_timeout_ms is not None else lease_ttl_ms
-        _check_int("session_timeout_ms", session_timeout_ms, 300, 3_600_000)
+        check_int("session_timeout_ms", session_timeout_ms, 300, 3_600_000)
         if heartbeat_interval_ms is None:
             heartbeat_interval_ms = min(lease_ttl_ms // 3, 3000)
-        _check_int("heartbeat_interval_ms", heartbeat_interval_ms, 50, session_timeout_ms // 2)
-        _check_int("batch_size", batch_size, 1, 10_000)
-        _check_int("key_concurrency", key_concurrency, 1, 256)
+        check_int("heartbeat_interval_ms", heartbeat_interval_ms, 50, session_timeout_ms // 2)
+        check_int("batch_size", batch_size, 1, 10_000)
+        check_int("key_concurrency", key_concurrency, 1, 256)
         if key_concurrency > 1 and mode != "orderly":
             raise InvalidConfig("key_concurrency needs mode='orderly'")
-        _check_int("max_attempts", max_attempts, 1)
-        _check_int("retry_backoff_ms", retry_backoff_ms, 0)
-        _check_int("max_retry_backoff_ms", max_retry_backoff_ms, retry_backoff_ms)
+        check_int("max_attempts", max_attempts, 1)
+        check_int("retry_backoff_ms", retry_backoff_ms, 0)
+        check_int("max_retry_backoff_ms", max_retry_backoff_ms, retry_backoff_ms)
         claim_idle_ms = claim_idle_ms if claim_idle_ms is not None else lease_ttl_ms
-        _check_int("claim_idle_ms", claim_idle_ms, 100)
-        _check_int("block_ms", block_ms, 10, 10_000)
-        _check_int("ack_interval_ms", ack_interval_ms, 0)
+        check_int("claim_idle_ms", claim_idle_ms, 100)
+        check_int("block_ms", block_ms, 10, 10_000)
+        check_int("ack_interval_ms", ack_interval_ms, 0)
 
         self.broker = broker
         self.topic = topic
@@ -312,7 +303,7 @@ class Consumer:
         a caller that handles and acks what it got keeps the one-at-a-time order. Waits up to
         timeout seconds for the first message."""
         self._start_use("poll")
-        _check_int("max_messages", max_messages, 1, 100_000)
+        check_int("max_messages", max_messages, 1, 100_000)
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             messages = self._poll_once(max_messages)

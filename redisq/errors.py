@@ -23,6 +23,26 @@ class InvalidConfig(RedisqError, ValueError):
     """A parameter outside its allowed range."""
 
 
+def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """Validate an int parameter eagerly: TypeError for another type, InvalidConfig with the value
+    and the allowed range when it is outside."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f"..{maximum}" if maximum is not None else " or more"
+        raise InvalidConfig(f"{name}={value} is out of range: {minimum}{upper}")
+    return value
+
+
+def check_number(name: str, value: object, minimum: float, maximum: float) -> float:
+    """As check_int, for parameters that may be fractional (milliseconds of linger, ...)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise InvalidConfig(f"{name}={value} is out of range: {minimum}..{maximum}")
+    return value
+
+
 class TopicNotFound(RedisqError):
     def __init__(self, topic: str) -> None:
         super().__init__(f"topic {topic!r} does not exist")
@@ -137,7 +157,5 @@ def from_reply(message: str, topic: str = "?") -> RedisqError | None:
     if message.startswith("LEASE_LOST"):
         return LeaseLost(f"topic {topic!r} " + message.removeprefix("LEASE_LOST").strip())
     if message.startswith("GROUP_MODE"):
-        return GroupModeMismatch(
-            f"topic {topic!r}: " + message.removeprefix("GROUP_MODE").strip()
-        )
+        return GroupModeMismatch(f"topic {topic!r}: " + message.removeprefix("GROUP_MODE").strip())
     return None

@@ -33,6 +33,7 @@ from redisq.errors import (
     ProducerFenced,
     RedisqError,
     UnsupportedServer,
+    check_number,
 )
 from redisq.keys import validate_name
 from redisq.partitioner import Selector, StickyPartitioner, partition_for_key
@@ -231,17 +232,17 @@ class Producer:
             raise InvalidConfig(f"acks={acks!r}: choose one of {ACKS}")
         if name is not None:
             validate_name("producer", name)
-        _check_range("linger_ms", linger_ms, 0, 60_000)
-        _check_range("max_batch_messages", max_batch_messages, 1, 10_000)
-        _check_range("max_batch_bytes", max_batch_bytes, 1024, 64 << 20)
-        _check_range("max_in_flight", max_in_flight, 1, 100)
-        _check_range("window", window, 1, 1000)
-        _check_range("max_message_bytes", max_message_bytes, 1, 512 << 20)
-        _check_range("delivery_timeout_ms", delivery_timeout_ms, 100, 24 * 3600 * 1000)
-        _check_range("retry_backoff_ms", retry_backoff_ms, 1, 60_000)
-        _check_range("max_buffered_messages", max_buffered_messages, 1, 100_000_000)
-        _check_range("min_replicas", min_replicas, 1, 100)
-        _check_range("ack_timeout_ms", ack_timeout_ms, 0, 3_600_000)
+        check_number("linger_ms", linger_ms, 0, 60_000)
+        check_number("max_batch_messages", max_batch_messages, 1, 10_000)
+        check_number("max_batch_bytes", max_batch_bytes, 1024, 64 << 20)
+        check_number("max_in_flight", max_in_flight, 1, 100)
+        check_number("window", window, 1, 1000)
+        check_number("max_message_bytes", max_message_bytes, 1, 512 << 20)
+        check_number("delivery_timeout_ms", delivery_timeout_ms, 100, 24 * 3600 * 1000)
+        check_number("retry_backoff_ms", retry_backoff_ms, 1, 60_000)
+        check_number("max_buffered_messages", max_buffered_messages, 1, 100_000_000)
+        check_number("min_replicas", min_replicas, 1, 100)
+        check_number("ack_timeout_ms", ack_timeout_ms, 0, 3_600_000)
         if idempotence == "sequence" and window < max_in_flight:
             raise InvalidConfig(
                 f"window={window} must be >= max_in_flight={max_in_flight}: a re-sent batch must "
@@ -960,13 +961,6 @@ _BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
 def _bulk_header(length: int) -> bytes:
     """The RESP bulk-string header for a value of this length."""
     return _BULK_HEADERS[length] if length < 4096 else b"$%d\r\n" % length
-
-
-def _check_range(name: str, value: object, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
-    if not low <= value <= high:
-        raise InvalidConfig(f"{name}={value} is out of range: {low}..{high}")
 
 
 __all__ = ["Producer", "SendFuture", "RecordMetadata", "RedisqError"]
