@@ -11,15 +11,13 @@ so an older instance is refused on every partition it may still write to.
 Returns {pid, epoch, topic_1, ..., topic_n}.
 Error replies: none of its own.
 ]]
-local pid = redis.call('HGET', KEYS[1], 'pid')
-if not pid then
-  pid = redis.call('INCR', KEYS[2])
-  redis.call('HSET', KEYS[1], 'pid', pid)
-end
+-- #include includes/producer_id.lua
+
+local pid = registered_producer_id(KEYS[1], KEYS[2])
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
-local result = {tonumber(pid), epoch}
+local result = {pid, epoch}
 for _, topic in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   result[#result + 1] = topic
 end

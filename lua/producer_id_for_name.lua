@@ -12,10 +12,8 @@ ARGV[1]  ttl_ms: expiry of the hash, refreshed on every call
 Returns the PID (an integer).
 Error replies: none of its own.
 ]]
-local pid = redis.call('HGET', KEYS[1], 'pid')
-if not pid then
-  pid = redis.call('INCR', KEYS[2])
-  redis.call('HSET', KEYS[1], 'pid', pid)
-end
+-- #include includes/producer_id.lua
+
+local pid = registered_producer_id(KEYS[1], KEYS[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return tonumber(pid)
+return pid
