@@ -133,6 +133,13 @@ def cmd_topic_add_partitions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_topic_trim(args: argparse.Namespace) -> int:
+    with _connect(args) as broker:
+        removed = broker.trim(args.topic)
+        print(f"topic {args.topic}: {removed:,} entries past retention removed")
+    return 0
+
+
 def cmd_topic_list(args: argparse.Namespace) -> int:
     with _connect(args) as broker:
         for topic in broker.list_topics():
@@ -620,6 +627,11 @@ def build_parser() -> argparse.ArgumentParser:
     grow.add_argument("topic")
     grow.add_argument("--partitions", type=int, required=True)
     grow.set_defaults(func=cmd_topic_add_partitions)
+    trim = topic_sub.add_parser(
+        "trim", parents=[common], help="apply the topic's retention to every partition now"
+    )
+    trim.add_argument("topic")
+    trim.set_defaults(func=cmd_topic_trim)
     listing = topic_sub.add_parser("list", parents=[common], help="list topics")
     listing.set_defaults(func=cmd_topic_list)
     delete = topic_sub.add_parser("delete", parents=[common], help="delete a topic and its data")

@@ -150,3 +150,19 @@ def test_demo_passes(valkey_server) -> None:  # type: ignore[no-untyped-def]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "per-key order intact, zero duplicates, nothing lost" in result.stdout
     assert "verdict: OK" in result.stdout
+
+
+def test_topic_trim_applies_retention_to_idle_partitions(
+    base, valkey_server, namespace, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    broker = redisq.connect(valkey_server.url, namespace=namespace)
+    broker.create_topic("t", partitions=2, retention_messages=10)
+    with broker.producer() as producer:
+        for i in range(300):  # 150 per partition; approximate trimming leaves whole nodes
+            producer.send_async("t", b"x", partition=i % 2)
+        producer.flush()
+    before = broker.describe_topic("t").total_messages
+    assert before > 20
+    assert cli.main(["topic", "trim", "t", *base]) == 0
+    assert f"{before - 20:,} entries past retention removed" in capsys.readouterr().out
+    assert [p.length for p in broker.describe_topic("t").partitions] == [10, 10]
