@@ -502,7 +502,7 @@ def test_retention_by_age_trims_old_entries_on_a_later_write(broker: redisq.Brok
 
 def test_acks_fsync_needs_waitaof_and_aof(broker: redisq.Broker, backend: str) -> None:
     """The shared servers: Redis 7.0 has no WAITAOF; the fixture's Valkey runs without AOF;
-    acks other than "leader" are refused on a cluster. Each refuses at creation."""
+    acks="fsync" is not supported on a cluster yet. Each refuses at creation."""
     broker.create_topic("t")
     before = snapshot(broker)
     with pytest.raises(redisq.UnsupportedServer) as info:
