@@ -4,7 +4,8 @@
 
 Every variant writes the same messages (100-byte payloads, keys "key-<i % 1000>", 4 partitions)
 to the same server; each runs R times, interleaved, and the median counts. The ratio column is
-msg/s divided by the raw pipelined XADD baseline of the same run. Without --url or REDIS_URL it
+msg/s divided by the raw pipelined XADD baseline of the same run (the same keyed messages, routed
+by the same CRC-32); a value-only XADD row is shown for context. Without --url or REDIS_URL it
 uses the embedded valkey-server.
 """
 
@@ -46,6 +47,21 @@ def run_raw(client: redis.Redis, namespace: str, n: int, pipeline_size: int = 10
     return n / elapsed
 
 
+def run_raw_value_only(client: redis.Redis, namespace: str, n: int) -> float:
+    """For context: the same XADD without a key field, round-robin over the 4 streams."""
+    streams = [f"{namespace}:raw:{p}" for p in range(PARTITIONS)]
+    start = time.perf_counter()
+    pipe = client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd(streams[i % PARTITIONS], {"v": PAYLOAD})
+        if (i + 1) % 1000 == 0:
+            pipe.execute()
+    pipe.execute()
+    elapsed = time.perf_counter() - start
+    client.delete(*streams)
+    return n / elapsed
+
+
 def run_redisq(broker: redisq.Broker, idempotence: str | None, n: int) -> float:
     topic = f"bench-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, partitions=PARTITIONS)
@@ -75,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     broker = redisq.connect(args.url, namespace=f"bench-{uuid.uuid4().hex[:6]}")
     client = broker.client
     variants = {
-        "raw redis-py XADD, pipelined 1000": lambda: run_raw(client, broker.namespace, args.messages),
+        "raw redis-py XADD, pipelined 1000": lambda: run_raw(
+            client, broker.namespace, args.messages
+        ),
+        "raw redis-py XADD, pipelined 1000, no key": lambda: run_raw_value_only(
+            client, broker.namespace, args.messages
+        ),
         'redisq idempotence="sequence"': lambda: run_redisq(broker, "sequence", args.messages),
         'redisq idempotence="message_id"': lambda: run_redisq(broker, "message_id", args.messages),
         "redisq idempotence=None": lambda: run_redisq(broker, None, args.messages),
@@ -87,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(rate)
             print(f"  round {round_ + 1}/{args.repeat} {name}: {rate:,.0f} msg/s", file=sys.stderr)
     baseline = statistics.median(results["raw redis-py XADD, pipelined 1000"])
-    print(f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
-          f"median of {args.repeat}")
+    print(
+        f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
+        f"median of {args.repeat}"
+    )
     rows = [(name, statistics.median(rates)) for name, rates in results.items()]
     if args.markdown:
         print("\n| variant | msg/s | ratio to raw XADD |\n| --- | ---: | ---: |")

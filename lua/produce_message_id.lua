@@ -49,25 +49,62 @@ local layout = ARGV[5]
 local m_at = string.find(layout, 'm', 1, true) - 1
 local count = tonumber(ARGV[6])
 
--- A message is new if its id is in neither bucket: HSETNX claims it in the current bucket with
--- the ID it is about to get (so a repeat later in the same batch is found too); otherwise the
--- answer is the ID it was first written at.
-local check_previous = redis.call('EXISTS', KEYS[3]) == 1
-local duplicate_of = {}
+-- Every id is looked up at once (HMGET per bucket, in chunks), the new ones are appended and then
+-- recorded with one HSET: per message, the XADD is the only call. A message is new if its id is
+-- in neither bucket nor earlier in this batch; otherwise the answer is the ID it was first
+-- written at.
+local stride = #layout
+local message_ids = {}
+for i = 1, count do
+  message_ids[i] = ARGV[10 + (i - 1) * stride + m_at]
+end
+local function lookup(bucket)
+  local found = {}
+  for from = 1, count, 1000 do
+    local last = math.min(from + 999, count)
+    local values = redis.call('HMGET', bucket, unpack(message_ids, from, last))
+    for j = from, last do
+      found[j] = values[j - from + 1]
+    end
+  end
+  return found
+end
+local in_current = lookup(KEYS[2])
+local in_previous = {}
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  in_previous = lookup(KEYS[3])
+end
+local first_in_batch = {} -- message id -> index of its first occurrence appended by this batch
+local duplicate_of = {}   -- index -> the stream ID it was first written at, or that first index
 local function claim(i, pos, id)
-  local message_id = ARGV[pos + m_at]
-  local earlier = check_previous and redis.call('HGET', KEYS[3], message_id)
+  local n = i + 1
+  local earlier = in_current[n] or in_previous[n]
   if not earlier then
-    if redis.call('HSETNX', KEYS[2], message_id, id) == 1 then
+    earlier = first_in_batch[message_ids[n]]
+    if earlier == nil then
+      first_in_batch[message_ids[n]] = n
       return true
     end
-    earlier = redis.call('HGET', KEYS[2], message_id)
   end
-  duplicate_of[i + 1] = earlier
+  duplicate_of[n] = earlier
   return false
 end
 
 local appended = append_messages(KEYS[1], layout, 10, count, producer_id, nil, claim)
+local remembered = {}
+for i = 1, count do
+  if appended.ids[i] then
+    remembered[#remembered + 1] = message_ids[i]
+    remembered[#remembered + 1] = appended.ids[i]
+    if #remembered >= 1000 then
+      redis.call('HSET', KEYS[2], unpack(remembered))
+      remembered = {}
+    end
+  end
+end
+if #remembered > 0 then
+  redis.call('HSET', KEYS[2], unpack(remembered))
+end
 local flags = {}
 local result = {'', appended.first or ''}
 for i = 1, count do
@@ -75,7 +112,11 @@ for i = 1, count do
     flags[i] = '0'
   else
     flags[i] = '1'
-    result[#result + 1] = duplicate_of[i]
+    local earlier = duplicate_of[i]
+    if type(earlier) == 'number' then
+      earlier = appended.ids[earlier]
+    end
+    result[#result + 1] = earlier
   end
 end
 if batch_no == expected then

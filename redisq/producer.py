@@ -455,10 +455,7 @@ class Producer:
         else:
             partition = self._sticky.partition(topic, partitions)
 
-        if headers_b is None and mid is None:
-            layout = "v" if key is None else "kv"
-        else:
-            layout = ("k" if key else "") + "v" + ("h" if headers_b else "") + ("m" if mid else "")
+        layout = _LAYOUTS[key is not None, headers_b is not None, mid is not None]
 
         with self._cond:
             if self._buffered >= self.max_buffered_messages:
@@ -954,6 +951,15 @@ class _Round:
                 if batch is not None:
                     batch.in_flight = False
 
+
+# The per-message argument layout of a batch (see lua/includes/append.lua), by
+# (has key, has headers, has message id).
+_LAYOUTS = {
+    (k, h, m): ("k" if k else "") + "v" + ("h" if h else "") + ("m" if m else "")
+    for k in (False, True)
+    for h in (False, True)
+    for m in (False, True)
+}
 
 _BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
 

@@ -25,6 +25,7 @@ WORKER_BITS = 10
 COUNTER_BITS = 12
 MAX_WORKERS = 1 << WORKER_BITS
 _COUNTER_MASK = (1 << COUNTER_BITS) - 1
+_TIME_SHIFT = WORKER_BITS + COUNTER_BITS
 
 
 class SnowflakeGenerator:
@@ -40,6 +41,7 @@ class SnowflakeGenerator:
         self._last_ms = 0
         self._counter = 0
         self.worker_id = self._lease_worker_id()
+        self._worker_bits = self.worker_id << COUNTER_BITS
         self._lease_deadline = time.monotonic() + lease_ttl_ms / 1000
         self._stop = threading.Event()
         self._renewer = threading.Thread(
@@ -76,26 +78,23 @@ class SnowflakeGenerator:
 
     def next_id(self) -> int:
         with self._lock:
-            if time.monotonic() >= self._lease_deadline:
-                raise WorkerIdUnavailable(
-                    f"the lease on worker id {self.worker_id} expired; ids could collide"
-                )
-            now = int(time.time() * 1000)
-            if now < self._last_ms:  # the clock went back: keep counting on the last millisecond
-                now = self._last_ms
-            if now == self._last_ms:
+            now = time.time_ns() // 1_000_000
+            if now > self._last_ms:
+                # The lease is checked once per millisecond: ids of one millisecond come from one
+                # check, which keeps this cheap at high rates.
+                if time.monotonic() >= self._lease_deadline:
+                    raise WorkerIdUnavailable(
+                        f"the lease on worker id {self.worker_id} expired; ids could collide"
+                    )
+                self._last_ms = now
+                self._counter = 0
+            else:  # the same millisecond, or the clock went back: keep counting on the last one
                 self._counter = (self._counter + 1) & _COUNTER_MASK
                 if self._counter == 0:  # 4096 ids in one ms: wait for the next millisecond
                     while now <= self._last_ms:
-                        now = int(time.time() * 1000)
-            else:
-                self._counter = 0
-            self._last_ms = now
-            return (
-                ((now - EPOCH_MS) << (WORKER_BITS + COUNTER_BITS))
-                | (self.worker_id << COUNTER_BITS)
-                | self._counter
-            )
+                        now = time.time_ns() // 1_000_000
+                    self._last_ms = now
+            return ((self._last_ms - EPOCH_MS) << _TIME_SHIFT) | self._worker_bits | self._counter
 
     def close(self) -> None:
         self._stop.set()
