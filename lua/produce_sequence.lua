@@ -7,7 +7,8 @@ ARGV[2]  epoch of the producer
 ARGV[3]  base sequence of the batch
 ARGV[4]  number of messages in the batch
 ARGV[5]  acked_next: the sequence after the producer's last acknowledged batch on this partition
-         (used only when the broker holds no state for this PID and epoch)
+         (the next expected sequence when the broker holds no state for this PID and epoch, or
+         holds less than was acknowledged, after a failover lost acknowledged writes)
 ARGV[6]  window: how many recent batches (with their stream IDs) to remember
 ARGV[7]  state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[8]  maxlen retention (0: none)
@@ -17,7 +18,9 @@ ARGV[11...] the messages, #layout arguments each, then the sequence number of ea
          string (base + i, stored in field s)
 
 State hash fields: epoch, next (next expected sequence), nb (batches written),
-w<slot> = "<base>:<count>:<first stream ID>" for the last `window` batches.
+w<slot> = "<base>:<count>:<first stream ID>" for the last `window` batches. With no state for
+this epoch, the epoch and next = acked_next are stored before the batch is checked (even if it is
+then a duplicate or a gap), so an older epoch is refused from then on.
 
 Returns
   {"OK", first_id}    appended; message i of the batch has ID <ms>-<seq + i> of first_id
@@ -51,11 +54,24 @@ if stored_epoch == epoch and state[2] then
 else
   -- No state for this PID and epoch: it expired, or a new epoch arrives where no fence reached.
   -- Everything before acked_next was acknowledged, so accepting acked_next opens no gap.
+  -- The epoch is stored now, even if this batch turns out a duplicate or a gap: from here on an
+  -- older instance is fenced (deleting the old state and writing nothing would let it back in).
   if stored_epoch then
     redis.call('DEL', KEYS[2])
   end
   next_seq = tonumber(ARGV[5])
   batches = 0
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'next', string.format('%.0f', next_seq), 'nb', 0)
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])
+end
+
+-- The broker can be behind what it acknowledged: a failover to a replica that had not received
+-- the last writes (acks="leader"), or a restore. The producer knows everything before acked_next
+-- was acknowledged and never sends it again, so the sequence moves on to acked_next instead of
+-- refusing every later batch as a gap.
+local acked_next = tonumber(ARGV[5])
+if next_seq < acked_next then
+  next_seq = acked_next
 end
 
 if base < next_seq then
