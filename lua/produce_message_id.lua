@@ -12,8 +12,8 @@ ARGV[4]  retention_ms (0: none)
 ARGV[5]  layout letters of the per-message arguments; must contain m (see includes/append.lua)
 ARGV[6]  number of messages
 ARGV[7]  batch number of this producer on this partition (0, 1, 2, ...)
-ARGV[8]  acked_next: the batch number after the producer's last acknowledged batch here (used
-         only when the broker holds no state for this PID)
+ARGV[8]  acked_next: the batch number after the producer's last acknowledged batch here (the
+         next expected one when the broker holds no state for this PID, or less than that)
 ARGV[9]  state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[10...] the messages, #layout arguments each
 
@@ -39,7 +39,9 @@ end
 
 local batch_no = tonumber(ARGV[7])
 local last_batch = tonumber(redis.call('HGET', KEYS[4], 'batch'))
-local expected = last_batch and last_batch + 1 or tonumber(ARGV[8])
+-- As in produce_sequence: never expect less than the producer knows was acknowledged (a failover
+-- to a replica that missed the last writes would otherwise refuse every later batch).
+local expected = math.max(last_batch and last_batch + 1 or 0, tonumber(ARGV[8]))
 if batch_no > expected then
   return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', expected))
 end
