@@ -598,6 +598,25 @@ def test_window_gap_is_out_of_order_with_the_expected_sequence(broker: redisq.Br
     assert [m.value for m in stream(broker)] == [b"a", b"b", b"c", b"d"]
 
 
+def test_window_moves_on_when_the_broker_lost_acknowledged_batches(
+    broker: redisq.Broker,
+) -> None:
+    """After a failover to a replica that missed acknowledged writes, the broker expects a
+    sequence the producer has long had acknowledged: the producer's acked_next wins, so the next
+    batch goes in instead of being refused as a gap until the delivery timeout."""
+    broker.create_topic("w")
+    produce_sequence(broker, 0, [b"a", b"b"])  # the replica had these two
+    # The producer had 0..5 acknowledged by the old primary: the new one expects 2.
+    with pytest.raises(redisq.OutOfOrderSequence) as info:
+        produce_sequence(broker, 6, [b"g"])  # a producer that does not say what was acked
+    assert info.value.expected == 2
+    assert produce_sequence(broker, 6, [b"g"], acked_next=6)[0] == b"OK"
+    assert produce_sequence(broker, 6, [b"g"], acked_next=6)[0] == b"DUP"  # still deduplicated
+    with pytest.raises(redisq.OutOfOrderSequence):
+        produce_sequence(broker, 9, [b"j"], acked_next=6)  # a real gap is still a gap
+    assert [m.value for m in stream(broker)] == [b"a", b"b", b"g"]
+
+
 def test_window_older_epoch_is_fenced(broker: redisq.Broker) -> None:
     broker.create_topic("w")
     produce_sequence(broker, 0, [b"a"], epoch=1)
