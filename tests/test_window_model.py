@@ -18,6 +18,7 @@ After every step the script's reply and the whole stream (XRANGE) must equal the
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,6 +165,8 @@ class SequenceWindowMachine(RuleBasedStateMachine):
         self.written_end: dict[tuple[int, int], int] = {}  # (pid, epoch) -> end of writes
         self.window = 1
         self.calls = 0
+        self.failover_point: tuple[Any, ...] | None = None  # the broker before the last append
+        self.lost: set[tuple[bytes, bytes, int]] = set()  # (pid, epoch, seq) lost by failovers
 
     def teardown(self) -> None:
         try:
@@ -197,6 +200,9 @@ class SequenceWindowMachine(RuleBasedStateMachine):
             # A newer epoch is remembered at once, so an older instance is fenced from now on.
             next_seq, window = inst.acked_next, []
             self.states[inst.pid] = PidState(inst.epoch, next_seq, [])
+        # The broker may hold less than it acknowledged (a failover lost the last writes): the
+        # producer never re-sends what was acknowledged, so the sequence moves on to acked_next.
+        next_seq = max(next_seq, inst.acked_next)
         if batch.base < next_seq:
             for base, count, first in window:
                 if (base, count) == (batch.base, batch.count):
@@ -224,6 +230,8 @@ class SequenceWindowMachine(RuleBasedStateMachine):
         for message in batch.messages:
             args += fields_for(batch.layout, message)
         args += [str(batch.base + i) for i in range(batch.count)]
+        before = self.snapshot()
+        self.failover_point = None
         expected, detail = self.model_produce(inst, batch)
         reply = call(self.broker, "produce_sequence", [self.log, self.state_key(inst.pid)], args)
         where = f"{inst.name} batch {batch.base}+{batch.count}"
@@ -260,6 +268,7 @@ class SequenceWindowMachine(RuleBasedStateMachine):
             self.written_end[key] = max(self.written_end.get(key, 0), batch.end)
             # Every write refreshes the state's expiry.
             assert self.broker.client.pttl(self.state_key(inst.pid)) > ttl_ms - 1000
+            self.failover_point = before
         if not lose_reply:  # the producer learns the batch is stored (new or duplicate)
             inst.acked_next = max(inst.acked_next, batch.end)
 
@@ -317,6 +326,40 @@ class SequenceWindowMachine(RuleBasedStateMachine):
         inst = data.draw(st.sampled_from([i for i in self.live() if i.batches]), label="instance")
         self.send(inst, inst.batches[-1], lose_reply)
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """The broker's state keys and the model, to undo the next append (a failover)."""
+        client = self.broker.client
+        raw = {}
+        for pid in {i.pid for i in self.instances}:
+            key = self.state_key(pid)
+            raw[pid] = (client.hgetall(key), client.pttl(key))
+        return raw, copy.deepcopy(self.states), len(self.stream), dict(self.written_end)
+
+    @precondition(lambda self: self.failover_point is not None)
+    @rule()
+    def failover_loses_last_write(self) -> None:
+        """acks="leader" and a failover to a replica that missed the last batch: the broker
+        forgets a write it acknowledged (DESIGN §3: documented loss). The producer goes on from
+        its acked_next; it must not be stuck with OUT_OF_ORDER, nor write anything twice."""
+        assert self.failover_point is not None
+        raw, states, length, written_end = self.failover_point
+        self.failover_point = None
+        client = self.broker.client
+        lost = self.stream[length:]
+        client.xdel(self.log, *[entry_id for entry_id, _ in lost])
+        for pid, (fields, pttl) in raw.items():
+            key = self.state_key(pid)
+            client.delete(key)
+            if fields:
+                client.hset(key, mapping=fields)
+                client.pexpire(key, pttl)
+        for _, fields in lost:
+            epoch = fields[b"v"].split(b":")[0]
+            self.lost.add((fields[b"p"], epoch, int(fields[b"s"])))
+        self.stream = self.stream[:length]
+        self.states = states
+        self.written_end = written_end
+
     @rule(data=st.data(), fence=st.booleans())
     def restart(self, data: st.DataObject, fence: bool) -> None:
         """A new instance of a named producer: a newer epoch, sequences from 0. The older
@@ -327,6 +370,7 @@ class SequenceWindowMachine(RuleBasedStateMachine):
         self.instances.append(inst)
         if not fence:
             return
+        self.failover_point = None
         reply = call(self.broker, "fence_producer", [self.state_key(pid)], [epoch, STATE_TTL_MS])
         state = self.states.get(pid)
         assert state is None or state.epoch < epoch
@@ -342,6 +386,7 @@ class SequenceWindowMachine(RuleBasedStateMachine):
             if inst.pid == pid and not inst.fenced:
                 if self.written_end.get((pid, inst.epoch), 0) > inst.acked_next:
                     return  # an unacknowledged write: the TTL would not run out yet
+        self.failover_point = None
         self.broker.client.delete(self.state_key(pid))
         self.states.pop(pid, None)
 
@@ -365,13 +410,15 @@ class SequenceWindowMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_once_in_order(self) -> None:
         """Independent of the model: per (PID, epoch), the stream holds sequences 0, 1, 2, ...
-        each exactly once and in order (no duplicate, no gap)."""
+        each exactly once and in order; the only gaps are writes a failover lost."""
         seen: dict[tuple[bytes, bytes], list[int]] = {}
-        for _, fields in self.stream:
+        for _, fields in read_stream(self.broker, self.log):
             epoch = fields[b"v"].split(b":")[0]
             seen.setdefault((fields[b"p"], epoch), []).append(int(fields[b"s"]))
-        for sequences in seen.values():
-            assert sequences == list(range(len(sequences)))
+        for (pid, epoch), sequences in seen.items():
+            assert sequences == sorted(set(sequences)), (pid, epoch, sequences)
+            missing = set(range(sequences[-1])) - set(sequences)
+            assert all((pid, epoch, s) in self.lost for s in missing), (pid, epoch, missing)
 
 
 # == produce_message_id =========================================================================
