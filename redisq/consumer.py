@@ -193,6 +193,7 @@ class Consumer:
         self._keys = broker.keys
         self._scripts = broker.scripts
         self._client = broker.client
+        self._cluster = bool(getattr(broker, "is_cluster", False))
         self._partitions = broker.topic_config(topic).partitions  # TopicNotFound now
         self.membership = GroupMembership(
             broker,
@@ -545,20 +546,36 @@ class Consumer:
     ) -> list[Message]:
         """Stream entries as Messages (what records.decode_entry does, for a whole batch).
 
-        This is the client's hot path of reading: the common field layouts written by
-        includes/append.lua are taken by position, and Messages are built by _new_message."""
+        This is the client's hot path of reading: the field layouts written by
+        includes/append.lua are recognised by their field names and taken by position, the
+        timestamp is parsed once per millisecond, producer ids once per batch, and the Messages'
+        slots are set directly (see _message_factory)."""
         topic = self.topic
         messages: list[Message] = []
         append = messages.append
-        for i, (entry_id, flat) in enumerate(entries):
+        new = object.__new__
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _SLOT_SETTERS
+        ms_prefix = "\0"
+        ms = 0
+        producer_ids: dict[Any, int] = {}
+        i = -1
+        for entry_id, flat in entries:
+            i += 1
             offset = entry_id.decode() if type(entry_id) is bytes else str(entry_id)
-            key = blob = message_id = producer_id = sequence = None
-            value = b""
-            size = len(flat) if type(flat) is list else 0
-            if size == 8 and flat[0] == b"k" and flat[4] == b"p" and flat[6] == b"s":  # PID + seq
+            if not offset.startswith(ms_prefix):
+                dash = offset.index("-") + 1
+                ms_prefix = offset[:dash]
+                ms = int(offset[: dash - 1])
+            blob = message_id = sequence = None
+            names = flat[0::2] if type(flat) is list else None
+            if names == _K_V_P:
+                key, value, producer_id = flat[1], flat[3], flat[5]
+            elif names == _K_V_P_S:
                 key, value, producer_id, sequence = flat[1], flat[3], flat[5], flat[7]
-            elif size == 4 and flat[0] == b"k" and flat[2] == b"v":  # keyed, no producer id
-                key, value = flat[1], flat[3]
+            elif names == _K_V_M_P:
+                key, value, message_id, producer_id = flat[1], flat[3], flat[5], flat[7]
+            elif names == _K_V:
+                key, value, producer_id = flat[1], flat[3], None
             else:
                 if isinstance(flat, dict):
                     fields = flat
@@ -568,21 +585,25 @@ class Consumer:
                 get = fields.get
                 key, value, blob = get(b"k"), get(b"v", b""), get(b"h")
                 message_id, producer_id, sequence = get(b"m"), get(b"p"), get(b"s")
-            append(
-                _new_message(
-                    topic,
-                    partition,
-                    offset,
-                    key,
-                    value,
-                    decode_headers(blob) if blob else {},
-                    int(offset[: offset.index("-")]),
-                    int(producer_id) if producer_id is not None else None,
-                    int(sequence) if sequence is not None else None,
-                    message_id,
-                    max(1, int(deliveries[i])) if deliveries is not None else 1,
-                )
-            )
+            if producer_id is not None:
+                pid = producer_ids.get(producer_id)
+                if pid is None:
+                    pid = producer_ids[producer_id] = int(producer_id)
+            else:
+                pid = None
+            m = new(Message)
+            s0(m, topic)
+            s1(m, partition)
+            s2(m, offset)
+            s3(m, key)
+            s4(m, value)
+            s5(m, decode_headers(blob) if blob else {})
+            s6(m, ms)
+            s7(m, pid)
+            s8(m, int(sequence) if sequence is not None else None)
+            s9(m, message_id)
+            s10(m, max(1, int(deliveries[i])) if deliveries is not None else 1)
+            append(m)
         return messages
 
     def _claim_pending(self, part: _Partition, count: int, min_idle_ms: int = 0) -> list[Message]:
@@ -600,8 +621,70 @@ class Consumer:
         return self._decode(part.number, entries, deliveries)
 
     def _read_new_entries(self, part: _Partition, count: int) -> tuple[list[Message], str]:
-        """Ack part.unacked and XREADGROUP ">" in one fenced script call; returns the messages,
-        or none and the stream's last ID to wait from."""
+        """Ack part.unacked and XREADGROUP ">" in one fenced step; returns the messages, or none
+        and the stream's last ID to wait from.
+
+        Standalone servers: WATCH the lease key, GET it, then MULTI / XACK / XREADGROUP /
+        XREVRANGE / EXEC on one connection. Redis aborts the EXEC if the lease key was written
+        (a new grant, a release, our own renewal) or expired after the WATCH, so a fenced member
+        neither acks nor pulls entries into its pending list; the entries come back as native
+        RESP, without the Lua table round trip of read_partition.lua (about 4x the server time
+        per entry). Clusters keep the script (one slot either way)."""
+        if self._cluster:
+            return self._read_new_entries_script(part, count)
+        stream = self._keys.log(self.topic, part.number)
+        lease = self._lease_key(part.number)
+        ack_ids = part.unacked[:MAX_IDS_PER_CALL]
+        tx: list[tuple[Any, ...]] = [("MULTI",)]
+        if ack_ids:
+            tx.append(("XACK", stream, self.group, *ack_ids))
+        tx.append(
+            ("XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, "STREAMS", stream, ">")
+        )
+        tx.append(("XREVRANGE", stream, "+", "-", "COUNT", 1))
+        tx.append(("EXEC",))
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            packed_tx = conn.pack_commands(tx)
+            packed_watch = conn.pack_commands([("WATCH", lease), ("GET", lease)])
+            for _ in range(10):
+                conn.send_packed_command(packed_watch)
+                conn.read_response()
+                holder = conn.read_response()
+                if isinstance(holder, bytes):
+                    holder = holder.decode()
+                if holder != part.lease_value:
+                    raise LeaseLost(
+                        f"topic {self.topic!r} partition lease is held by another grant"
+                    )
+                conn.send_packed_command(packed_tx)
+                for _ in range(len(tx)):
+                    result = conn.read_response()
+                if result is not None:
+                    break
+                # The lease key changed after WATCH (our renewal, or a new grant): check again.
+            else:
+                pool.release(conn)
+                return [], ""
+        except BaseException:
+            conn.disconnect()  # drops any WATCH/MULTI state with the connection
+            pool.release(conn)
+            raise
+        pool.release(conn)
+        for item in result:
+            if isinstance(item, Exception):
+                raise item
+        del part.unacked[: len(ack_ids)]
+        entries = _stream_entries(result[-2])
+        if entries:
+            return self._decode(part.number, entries), ""
+        last = result[-1]
+        tail = last[0][0] if last else "0-0"
+        return [], tail.decode() if isinstance(tail, bytes) else str(tail)
+
+    def _read_new_entries_script(self, part: _Partition, count: int) -> tuple[list[Message], str]:
+        """read_partition.lua: the fenced ack + read as one script call (clusters)."""
         ack_ids = part.unacked[:MAX_IDS_PER_CALL]
         _acked, tail, entries = self._scripts.call(
             "read_partition",
@@ -1070,50 +1153,29 @@ class Consumer:
         self._closed = True
 
 
-def _message_factory() -> Callable[..., Message]:
-    """Message(...) positionally, about 40% cheaper than the frozen dataclass's __init__ (which
-    goes through object.__setattr__ per field): the slot descriptors are set directly. Falls
-    back to the constructor if Message's fields are not the ones this was written for."""
-    expected = (
-        "topic", "partition", "offset", "key", "value", "headers", "timestamp_ms",
-        "producer_id", "sequence", "message_id", "attempt",
-    )  # fmt: skip
-    if tuple(f.name for f in fields(Message)) != expected:  # pragma: no cover
-        return Message
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = (getattr(Message, n).__set__ for n in expected)
-    new = object.__new__
-
-    def make(
-        topic: str,
-        partition: int,
-        offset: str,
-        key: bytes | None,
-        value: bytes,
-        headers: dict[str, bytes],
-        timestamp_ms: int,
-        producer_id: int | None,
-        sequence: int | None,
-        message_id: bytes | None,
-        attempt: int,
-    ) -> Message:
-        m = new(Message)
-        s0(m, topic)
-        s1(m, partition)
-        s2(m, offset)
-        s3(m, key)
-        s4(m, value)
-        s5(m, headers)
-        s6(m, timestamp_ms)
-        s7(m, producer_id)
-        s8(m, sequence)
-        s9(m, message_id)
-        s10(m, attempt)
-        return m
-
-    return make
+# Message's slot descriptors, in field order: _decode sets them directly, about 40% cheaper than
+# the frozen dataclass's __init__ (which goes through object.__setattr__ per field).
+_MESSAGE_FIELDS = (
+    "topic", "partition", "offset", "key", "value", "headers", "timestamp_ms",
+    "producer_id", "sequence", "message_id", "attempt",
+)  # fmt: skip
+if tuple(f.name for f in fields(Message)) != _MESSAGE_FIELDS:  # pragma: no cover
+    raise ImportError("redisq.records.Message changed: update consumer._MESSAGE_FIELDS")
+_SLOT_SETTERS = tuple(getattr(Message, name).__set__ for name in _MESSAGE_FIELDS)
+# Field layouts of includes/append.lua (names at the even positions of an entry's field list).
+_K_V_P = [b"k", b"v", b"p"]
+_K_V_P_S = [b"k", b"v", b"p", b"s"]
+_K_V_M_P = [b"k", b"v", b"m", b"p"]
+_K_V = [b"k", b"v"]
 
 
-_new_message = _message_factory()
+def _stream_entries(reply: Any) -> list[Any]:
+    """The entries of a raw XREADGROUP reply for one stream (RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values())) or []
+    return reply[0][1] or []
 
 
 def _offset_key(offset: str) -> tuple[int, int]:
