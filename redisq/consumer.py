@@ -697,6 +697,26 @@ class Consumer:
             tail, bytes
         ) else tail
 
+    def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send commands in one write on a pooled connection and read their raw replies (no
+        response callbacks: entries stay flat lists for _decode). Error replies are raised."""
+        if self._cluster:
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute())
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [conn.read_response() for _ in commands]
+        except BaseException:
+            conn.disconnect()  # replies may be left unread
+            pool.release(conn)
+            raise
+        pool.release(conn)
+        return replies
+
     def _ack_entries(self, partition: int, lease_value: str, offsets: list[str]) -> int:
         acked = 0
         stream = self._keys.log(self.topic, partition)
@@ -846,6 +866,10 @@ class Consumer:
         """Competing consumption of one partition: reclaim idle entries now and then, else read
         new ones (XACK of the previous batch and XREADGROUP BLOCK in one round trip)."""
         stream = self._keys.log(self.topic, part.number)
+        read = (
+            "XREADGROUP", "GROUP", self.group, self.name, "COUNT", self.batch_size,
+            "BLOCK", self._block_ms, "STREAMS", stream, ">",
+        )  # fmt: skip
         while not self._stopping.is_set():
             try:
                 now = time.monotonic()
@@ -862,22 +886,15 @@ class Consumer:
                         )
                         self._handle_batch(part, claimed)
                         continue
-                pipe = self._client.pipeline(transaction=False)
                 ids = part.unacked[:MAX_IDS_PER_CALL]
+                commands: list[tuple[Any, ...]] = [read]
                 if ids:
-                    pipe.xack(stream, self.group, *ids)
-                pipe.xreadgroup(
-                    self.group,
-                    self.name,
-                    {stream: ">"},
-                    count=self.batch_size,
-                    block=self._block_ms,
-                )
-                replies = pipe.execute()
+                    commands.insert(0, ("XACK", stream, self.group, *ids))
+                replies = self._exchange(commands)
                 del part.unacked[: len(ids)]
-                reply = replies[-1]
-                if reply:
-                    self._handle_batch(part, self._decode(part.number, reply[0][1]))
+                entries = _stream_entries(replies[-1])
+                if entries:
+                    self._handle_batch(part, self._decode(part.number, entries))
             except _Stop:
                 break
             except redis.RedisError as exc:
