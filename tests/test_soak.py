@@ -35,12 +35,6 @@ BOUND_BYTES = 1 << 20  # after retention: at most 1 MiB above the empty-topic ba
 MESSAGE_ID_EVERY = 10  # one producer in ten uses idempotence="message_id" (dedup buckets)
 
 
-@pytest.fixture(autouse=True)
-def only_when_selected(request: pytest.FixtureRequest) -> None:
-    if "soak" not in (request.config.getoption("-m") or ""):
-        pytest.skip("soak test: run with -m soak")
-
-
 def used_memory(client: Any) -> int:
     return int(client.info("memory")["used_memory"])
 
