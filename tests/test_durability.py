@@ -27,19 +27,10 @@ import pytest
 import redisq
 from redisq.producer import SendFuture
 from tests.replication import SERVICE, SentinelProcess, in_sync, start_replica, wait_for
-from tests.servers import ServerProcess, redis_binary, valkey_binary
+from tests.servers import ServerProcess, binary_for, valkey_binary
 
 TOPIC = "orders"
 PARTITIONS = 4
-
-
-def binary_for(kind: str) -> str:
-    if kind == "valkey":
-        return valkey_binary()
-    binary = redis_binary()
-    if binary is None:
-        pytest.skip("no redis-server on PATH")
-    return binary
 
 
 def server_version(server: ServerProcess) -> tuple[int, ...]:
