@@ -159,17 +159,20 @@ class ServerProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+CLUSTER_NODE_CONFIG = {
+    "cluster-enabled": "yes",
+    "cluster-config-file": "nodes.conf",
+    "cluster-node-timeout": "2000",
+}
+
+
 def start_cluster(binary: str | None = None, masters: int = 1) -> list[ServerProcess]:
     """A Redis Cluster of `masters` primaries on loopback (CLUSTER ADDSLOTSRANGE + MEET)."""
     nodes = [
         ServerProcess(
             binary,
             port=cluster_free_port(),
-            config={
-                "cluster-enabled": "yes",
-                "cluster-config-file": "nodes.conf",
-                "cluster-node-timeout": "2000",
-            },
+            config=CLUSTER_NODE_CONFIG,
         ).start()
         for _ in range(masters)
     ]

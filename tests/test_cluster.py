@@ -29,7 +29,13 @@ import redisq
 from redisq.producer import SendFuture
 from redisq.transport import Redirect, Transport
 from tests.replication import wait_for
-from tests.servers import ServerProcess, cluster_free_port, redis_binary, start_cluster
+from tests.servers import (
+    CLUSTER_NODE_CONFIG,
+    ServerProcess,
+    cluster_free_port,
+    redis_binary,
+    start_cluster,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -410,11 +416,7 @@ def cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[ServerPr
         for primary in primaries:
             replica = ServerProcess(
                 port=cluster_free_port(),
-                config={
-                    "cluster-enabled": "yes",
-                    "cluster-config-file": "nodes.conf",
-                    "cluster-node-timeout": "2000",
-                },
+                config=CLUSTER_NODE_CONFIG,
             ).start()
             replicas.append(replica)
             with primary.client() as client:
