@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import threading
@@ -229,11 +230,11 @@ def consume_with_lost_member(
 
 def spark_audit(url: str | None, namespace: str) -> bool | None:
     """The ordering audit of the demo topic with a local Spark; None if Spark cannot run here."""
-    try:
-        from spark_connector.jobs import demo_audit
-    except ImportError:
+    if importlib.util.find_spec("pyspark") is None or importlib.util.find_spec("pyarrow") is None:
         print("  skipped: install the [spark] extra (pyspark, pyarrow) and Java 17 for this step")
         return None
+    from spark_connector.jobs import demo_audit
+
     resolved, _ = resolve_url(url)  # the embedded server's url, for the Spark workers
     try:
         clean, verdict = demo_audit(resolved, namespace, TOPIC)
