@@ -17,13 +17,13 @@ Without --url or REDIS_URL it uses the embedded valkey-server.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
 import uuid
 
 import redis
+from report import print_table, ratio_rows, run_rounds
 
 import redisq
 
@@ -163,12 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     goals = {raw_name: "", "redisq orderly (no-op handler)": ">= 0.6x",
              "redisq concurrent (no-op handler)": ">= 0.8x"}  # fmt: skip
-    results: dict[str, list[float]] = {name: [] for name in variants}
-    for round_ in range(args.repeat):
-        for name, run in variants.items():
-            rate = run()
-            results[name].append(rate)
-            print(f"  round {round_ + 1}/{args.repeat} {name}: {rate:,.0f} msg/s", file=sys.stderr)
+    medians = run_rounds(variants, args.repeat)
     latency = {}
     for mode in ("orderly", "concurrent"):
         latency[mode] = run_latency(broker, mode, args.rate, args.seconds)
@@ -176,27 +171,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
     broker.delete_topic(topic)
 
-    baseline = statistics.median(results[raw_name])
     print(
         f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
         f"one process, median of {args.repeat}"
     )
-    rows = [(name, statistics.median(rates)) for name, rates in results.items()]
-    if args.markdown:
-        print("\n| variant | msg/s | ratio to raw | goal |\n| --- | ---: | ---: | --- |")
-        for name, rate in rows:
-            print(f"| {name} | {rate:,.0f} | {rate / baseline:.2f}x | {goals[name]} |")
-        print(f"\n| end-to-end latency at {args.rate:,} msg/s | p50 | p99 |\n| --- | ---: | ---: |")
-        for mode, (p50, p99) in latency.items():
-            print(f"| {mode} | {p50:.2f} ms | {p99:.2f} ms |")
-    else:
-        print(f"\n{'variant':<44} {'msg/s':>12} {'ratio':>8}  goal")
-        for name, rate in rows:
-            print(f"{name:<44} {rate:>12,.0f} {rate / baseline:>7.2f}x  {goals[name]}")
-        print(f"\n{'end-to-end latency at ' + format(args.rate, ',') + ' msg/s':<44} "
-              f"{'p50 ms':>12} {'p99 ms':>8}")  # fmt: skip
-        for mode, (p50, p99) in latency.items():
-            print(f"{mode:<44} {p50:>12.2f} {p99:>8.2f}")
+    print_table(
+        ["variant", "msg/s", "ratio to raw", "goal"],
+        ratio_rows(medians, raw_name, goals),
+        args.markdown,
+    )
+    print_table(
+        [f"end-to-end latency at {args.rate:,} msg/s", "p50", "p99"],
+        [[mode, f"{p50:.2f} ms", f"{p99:.2f} ms"] for mode, (p50, p99) in latency.items()],
+        args.markdown,
+    )
     for key in broker.client.scan_iter(match=broker.keys.pattern(), count=1000):
         broker.client.delete(key)  # the benchmark's namespace: counters, group registries
     broker.close()

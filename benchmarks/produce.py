@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import uuid
 import zlib
 
 import redis
+from report import print_table, ratio_rows, run_rounds
 
 import redisq
 
@@ -101,26 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         'redisq idempotence="message_id"': lambda: run_redisq(broker, "message_id", args.messages),
         "redisq idempotence=None": lambda: run_redisq(broker, None, args.messages),
     }
-    results: dict[str, list[float]] = {name: [] for name in variants}
-    for round_ in range(args.repeat):
-        for name, run in variants.items():
-            rate = run()
-            results[name].append(rate)
-            print(f"  round {round_ + 1}/{args.repeat} {name}: {rate:,.0f} msg/s", file=sys.stderr)
-    baseline = statistics.median(results["raw redis-py XADD, pipelined 1000"])
+    medians = run_rounds(variants, args.repeat)
     print(
         f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
         f"median of {args.repeat}"
     )
-    rows = [(name, statistics.median(rates)) for name, rates in results.items()]
-    if args.markdown:
-        print("\n| variant | msg/s | ratio to raw XADD |\n| --- | ---: | ---: |")
-        for name, rate in rows:
-            print(f"| {name} | {rate:,.0f} | {rate / baseline:.2f}x |")
-    else:
-        print(f"\n{'variant':<36} {'msg/s':>12} {'ratio':>8}")
-        for name, rate in rows:
-            print(f"{name:<36} {rate:>12,.0f} {rate / baseline:>7.2f}x")
+    print_table(
+        ["variant", "msg/s", "ratio to raw XADD"],
+        ratio_rows(medians, "raw redis-py XADD, pipelined 1000"),
+        args.markdown,
+    )
     for key in client.scan_iter(match=broker.keys.pattern(), count=1000):
         client.delete(key)  # the benchmark's namespace: producer-id counters, worker leases
     broker.close()
