@@ -152,21 +152,16 @@ class PidState:
     window: list[tuple[int, int, str]] = field(default_factory=list)  # (base, count, first ID)
 
 
-class SequenceWindowMachine(RuleBasedStateMachine):
+class ScriptMachine(RuleBasedStateMachine):
+    """A one-partition topic in a namespace of its own, dropped after each example."""
+
+    topic = "orders"
+
     def __init__(self, make_broker: BrokerFactory) -> None:
         super().__init__()
         self.broker = make_broker()
-        self.topic = "orders"
         self.broker.create_topic(self.topic)
         self.log = self.broker.keys.log(self.topic, 0)
-        self.instances: list[Instance] = []
-        self.states: dict[int, PidState] = {}
-        self.stream: list[tuple[str, dict[bytes, bytes]]] = []
-        self.written_end: dict[tuple[int, int], int] = {}  # (pid, epoch) -> end of writes
-        self.window = 1
-        self.calls = 0
-        self.failover_point: tuple[Any, ...] | None = None  # the broker before the last append
-        self.lost: set[tuple[bytes, bytes, int]] = set()  # (pid, epoch, seq) lost by failovers
 
     def teardown(self) -> None:
         try:
@@ -177,6 +172,19 @@ class SequenceWindowMachine(RuleBasedStateMachine):
 
     def state_key(self, pid: int) -> str:
         return self.broker.keys.producer_state(self.topic, 0, pid)
+
+
+class SequenceWindowMachine(ScriptMachine):
+    def __init__(self, make_broker: BrokerFactory) -> None:
+        super().__init__(make_broker)
+        self.instances: list[Instance] = []
+        self.states: dict[int, PidState] = {}
+        self.stream: list[tuple[str, dict[bytes, bytes]]] = []
+        self.written_end: dict[tuple[int, int], int] = {}  # (pid, epoch) -> end of writes
+        self.window = 1
+        self.calls = 0
+        self.failover_point: tuple[Any, ...] | None = None  # the broker before the last append
+        self.lost: set[tuple[bytes, bytes, int]] = set()  # (pid, epoch, seq) lost by failovers
 
     # -- set-up ---------------------------------------------------------------------------------
     @initialize(window=st.integers(1, 4), pids=st.integers(1, 2))
@@ -441,29 +449,17 @@ class IdProducer:
     acked_next: int = 0
 
 
-class MessageIdMachine(RuleBasedStateMachine):
+class MessageIdMachine(ScriptMachine):
+    topic = "ids"
+
     def __init__(self, make_broker: BrokerFactory) -> None:
-        super().__init__()
-        self.broker = make_broker()
-        self.topic = "ids"
-        self.broker.create_topic(self.topic)
-        self.log = self.broker.keys.log(self.topic, 0)
+        super().__init__(make_broker)
         self.bucket = 1000
         self.buckets: dict[int, dict[bytes, str]] = {}
         self.last_batch: dict[int, int] = {}  # model of the state hash's `batch` field
         self.stream: list[tuple[str, dict[bytes, bytes]]] = []
         self.producers = [IdProducer(pid=1), IdProducer(pid=2)]
         self.rotations = 0
-
-    def teardown(self) -> None:
-        try:
-            drop(self.broker)
-        finally:
-            if redisq.scripts.is_fake(self.broker.client):
-                self.broker.close()
-
-    def state_key(self, pid: int) -> str:
-        return self.broker.keys.producer_state(self.topic, 0, pid)
 
     def model_produce(self, producer: IdProducer, batch: IdBatch) -> tuple[str, Any]:
         last = self.last_batch.get(producer.pid)
