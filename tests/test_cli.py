@@ -102,30 +102,78 @@ def test_produce_stdin_without_separator(valkey_server, namespace) -> None:  # t
     assert all(m.key is None for m in broker.read("t", 0))
 
 
-def test_server_command_runs_and_stops() -> None:
+def _valkey_children(pid: int) -> list[int]:
+    """Pids of the valkey-server processes whose parent is pid (from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "<pid> (<comm>) <state> <ppid> ...": comm may hold spaces, so split after the ")".
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == pid and comm.startswith("valkey-server"):
+            children.append(int(entry.name))
+    return children
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan nobody reaps shows as one)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_server_command_runs_and_stops(signum: signal.Signals, when: str) -> None:
+    """`redisq server` stops on SIGTERM/SIGINT/SIGHUP, whenever the signal lands (also while its
+    valkey-server is still starting), exits 0 and leaves no valkey-server behind."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "redisq.cli", "server", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    children: list[int] = []
     try:
         deadline = time.monotonic() + 30
-        client = redis.Redis(port=port, socket_connect_timeout=0.5)
-        while True:
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise
-                time.sleep(0.1)
-        assert "valkey_version" in client.info("server")
-        client.close()
+        while not children:  # the valkey-server process exists (it may not answer yet)
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no valkey-server child appeared"
+            children = _valkey_children(process.pid)
+            time.sleep(0.005)
+        if when == "serving":
+            assert process.stdout is not None
+            ready = process.stdout.readline().decode()  # it says so once it serves
+            assert f"REDIS_URL=redis://127.0.0.1:{port}/0" in ready, process.communicate()
+            client = redis.Redis(port=port, socket_connect_timeout=0.5)
+            while True:
+                try:
+                    if client.ping():
+                        break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or process.poll() is not None:
+                        raise
+                    time.sleep(0.05)
+            assert "valkey_version" in client.info("server")
+            client.close()
+        process.send_signal(signum)
+        _out, err = process.communicate(timeout=30)
+        assert process.returncode == 0, err.decode()
+        assert [pid for pid in children if _running(pid)] == []
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-    assert process.returncode == 0
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        for pid in children:  # a failed run must not leak the server it started
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_demo_passes(valkey_server) -> None:  # type: ignore[no-untyped-def]
