@@ -651,10 +651,14 @@ def test_message_id_duplicates(fake: redisq.Broker) -> None:
     assert number_again.offset == number.offset
     metas = [f.result() for f in generated]
     assert not any(m.duplicate for m in metas)
-    assert len({m.offset for m in metas} | {first.offset}) >= 50
+    # An offset (stream ID) is unique only within its partition: two partitions can both hold
+    # 1700000000000-0. The 50 generated ids are 50 distinct messages, none of them "order-1".
+    assert len({(m.partition, m.offset) for m in [*metas, first]}) == 51
     batch_metas = [f.result() for f in in_batch]
     assert [m.duplicate for m in batch_metas] == [False, True, True]
-    assert {m.offset for m in batch_metas} == {batch_metas[0].offset}
+    assert {(m.partition, m.offset) for m in batch_metas} == {
+        (batch_metas[0].partition, batch_metas[0].offset)
+    }
     # Every message id is in the topic exactly once.
     ids = [m.message_id for p in range(4) for m in fake.read("t", p)]
     assert len(ids) == len(set(ids)) == 2 + 50 + 1
@@ -741,13 +745,20 @@ def test_topic_deleted_under_producer(fake: redisq.Broker) -> None:
 
 
 def test_retention_by_count(fake: redisq.Broker) -> None:
+    """retention_messages=N keeps the newest N messages and trims whole stream nodes only
+    (MAXLEN ~): after every batch N <= length <= N + stream-node-max-entries - 1 (a node is
+    dropped only if the rest still holds N), and what is kept is the newest, contiguous."""
+    node_entries = 4  # small nodes make the bound tight (the default, 100, allows 109 of 200)
+    fake.client.config_set("stream-node-max-entries", node_entries)
     fake.create_topic("t", retention_messages=10)
+    lengths = []
     with fake.producer(max_batch_messages=5) as producer:
         for i in range(200):
             producer.send_async("t", b"%d" % i)
-        producer.flush()
-    length = fake.describe_topic("t").partitions[0].length
-    # MAXLEN ~ trims whole stream nodes only (fakeredis may trim exactly): at most a node over.
-    assert 10 <= length <= 200
-    last = list(fake.read("t", 0))[-1]
-    assert last.value == b"199"
+            if i % 5 == 4:
+                producer.flush()
+                lengths.append((i + 1, fake.describe_topic("t").partitions[0].length))
+    for sent, length in lengths:
+        assert min(sent, 10) <= length <= 10 + node_entries - 1, (sent, length)
+    values = [int(m.value) for m in fake.read("t", 0)]
+    assert values == list(range(200 - len(values), 200))
