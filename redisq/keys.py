@@ -17,28 +17,90 @@ import re
 
 from redisq.errors import InvalidName
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+MAX_NAME_CHARS = 200
+MAX_NAMESPACE_CHARS = 64
+# A dead-letter topic of a dead-letter topic (a group reading dead letters) always fits; deeper
+# nesting fits while the whole name stays within this.
+MAX_INTERNAL_TOPIC_CHARS = 1024
+# User names never contain "~", so a name built around it cannot be any user topic, and the parts
+# around it split back unambiguously.
+DEAD_LETTER_MARK = "~dlq~"
+
+# fullmatch, never match with "$": "$" also matches before a trailing newline ("orders\n").
+_NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAMESPACE_CHARS}}}")
+_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME_CHARS}}}")
 
 
 def validate_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-        raise InvalidName(f"invalid namespace {namespace!r}: 1-64 characters from A-Z a-z 0-9 _ -")
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+        raise InvalidName(
+            f"invalid namespace {namespace!r}: 1-{MAX_NAMESPACE_CHARS} characters from "
+            "A-Z a-z 0-9 _ -"
+        )
     return namespace
 
 
 def validate_topic(topic: object) -> str:
-    if not isinstance(topic, str) or not _TOPIC_RE.match(topic):
-        raise InvalidName(f"invalid topic name {topic!r}: 1-200 characters from A-Z a-z 0-9 . _ -")
-    return topic
+    """A user topic (1-200 characters from A-Z a-z 0-9 . _ -), or an internal dead-letter topic
+    as `dead_letter_topic` builds it, in exactly that form."""
+    if isinstance(topic, str):
+        if _NAME_RE.fullmatch(topic):
+            return topic
+        if parse_dead_letter_topic(topic) is not None:
+            return topic
+    raise InvalidName(
+        f"invalid topic name {topic!r}: 1-{MAX_NAME_CHARS} characters from A-Z a-z 0-9 . _ - "
+        f"(or a dead-letter topic <topic>{DEAD_LETTER_MARK}<group>)"
+    )
 
 
 def validate_name(kind: str, name: object) -> str:
-    """Producer names, group names and consumer names follow the topic-name rules."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise InvalidName(f"invalid {kind} name {name!r}: 1-200 characters from A-Z a-z 0-9 . _ -")
+    """Producer names, group names and consumer names follow the user topic-name rules."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: 1-{MAX_NAME_CHARS} characters from A-Z a-z 0-9 . _ -"
+        )
     return name
+
+
+def dead_letter_topic(topic: str, group: str) -> str:
+    """The dead-letter topic of group `group` on `topic`: ``<topic>~dlq~<group>``.
+
+    This is the one function that builds it. "~" is a character no user name may contain, so
+    the name cannot collide with a user topic or with the dead-letter topic of another (topic,
+    group) pair (with "." as the separator, (pay.eu, billing) and (pay, eu.billing) shared
+    one), and `parse_dead_letter_topic` splits it back. For every valid topic and group it is
+    at most 405 characters, within its own limit (MAX_INTERNAL_TOPIC_CHARS); a group reading a
+    dead-letter topic has one too (``orders~dlq~billing~dlq~fixer``).
+
+    `redisq topic list` shows these next to the user topics; "~" sorts after every character of
+    a user name, so ``orders~dlq~billing`` comes after ``orders`` and every ``orders.*``,
+    ``orders-*`` and ``orders_*`` topic. No shell expands a "~" inside a word.
+    """
+    validate_topic(topic)
+    validate_name("group", group)
+    name = f"{topic}{DEAD_LETTER_MARK}{group}"
+    if len(name) > MAX_INTERNAL_TOPIC_CHARS:
+        raise InvalidName(
+            f"the dead-letter topic of {topic[:60]!r}... and group {group!r} would be "
+            f"{len(name)} characters, more than {MAX_INTERNAL_TOPIC_CHARS}: "
+            "use failure_policy='block' for this group"
+        )
+    return name
+
+
+def parse_dead_letter_topic(name: str) -> tuple[str, str] | None:
+    """(topic, group) of a dead-letter topic built by `dead_letter_topic`, else None (a user
+    topic, or not a valid name). The topic may itself be a dead-letter topic."""
+    if DEAD_LETTER_MARK not in name or len(name) > MAX_INTERNAL_TOPIC_CHARS:
+        return None
+    topic, _, group = name.rpartition(DEAD_LETTER_MARK)
+    if not _NAME_RE.fullmatch(group):
+        return None
+    parts = topic.split(DEAD_LETTER_MARK)
+    if not all(_NAME_RE.fullmatch(part) for part in parts):
+        return None
+    return topic, group
 
 
 class KeySpace:

@@ -1,20 +1,64 @@
-"""What goes into a partition stream and what comes back out.
+"""What goes into a partition stream and what comes back out: the one entry decoder.
 
 A stream entry has the fields ``v`` (value), and when present ``k`` (key), ``h`` (headers),
 ``m`` (message id), ``p`` (producer id) and ``s`` (sequence). Headers are one binary field:
 for each header, a 2-byte name length, the UTF-8 name, a 4-byte value length and the value
 (big-endian), so header values may be any bytes and the Lua scripts never parse them.
+
+Any client can XADD to a partition stream, so an entry may not be one redisq wrote. The rules,
+shared by the consumer, `Broker.read` and the Spark reader:
+
+* ``p`` and ``s`` are ASCII decimal digits, at most 19, below 2**63 (`parse_id_field`), so they
+  fit Spark's bigint; ``h`` is a complete headers blob (`parse_headers`); ``v`` is present,
+  once. Keys, values and message ids are opaque bytes.
+* Fields with other names are ignored, so an older consumer reads what a newer producer adds.
+* An entry that breaks a rule decodes as a `MalformedMessage`: a Message carrying the reason,
+  the raw fields, and every field that could be read. The consumer never hands one to a handler;
+  the group's failure policy takes it.
 """
 
 from __future__ import annotations
 
+import re
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from redisq.errors import RedisqError
 
 _NAME_LEN = struct.Struct(">H")
 _VALUE_LEN = struct.Struct(">I")
+_FIELD_LEN = struct.Struct(">I")
+MAX_ID_FIELD = (1 << 63) - 1
+MAX_STREAM_ID_PART = (1 << 64) - 1
+
+
+class MalformedEntry(RedisqError, ValueError):
+    """A stream entry that is not a redisq message (written by another client, or damaged).
+
+    Raised by `Broker.read(on_malformed="raise")` and by the Spark reader with
+    failOnMalformed=true; the consumer hands such entries to the group's failure policy."""
+
+    def __init__(self, topic: str, partition: int, offset: str, reason: str) -> None:
+        super().__init__(f"malformed entry {topic}/{partition}@{offset}: {reason}")
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.reason = reason
+
+
+# -- field rules ---------------------------------------------------------------------------------
+def parse_id_field(raw: Any) -> int | None:
+    """A producer id or sequence field (bytes or str) as an int, or None when it breaks the rule:
+    ASCII decimal digits only (no sign, space or "_", which int() would take), at most 19, below
+    2**63. The Spark reader applies the same rule to whole columns."""
+    if isinstance(raw, str):
+        raw = raw.encode("ascii", "replace")
+    if not isinstance(raw, bytes) or not raw.isdigit() or len(raw) > 19:
+        return None
+    number = int(raw)
+    return number if number <= MAX_ID_FIELD else None
 
 
 def encode_headers(headers: Mapping[str, str | bytes] | None) -> bytes:
@@ -44,26 +88,83 @@ def encode_headers(headers: Mapping[str, str | bytes] | None) -> bytes:
 
 
 def decode_headers(blob: bytes | None) -> dict[str, bytes]:
+    """Decode a headers blob; ValueError (naming the byte) unless it is complete and exact:
+    a length that runs past the end would otherwise cut a value short without a word."""
     if not blob:
         return {}
     headers: dict[str, bytes] = {}
     pos = 0
-    while pos < len(blob):
+    end = len(blob)
+    while pos < end:
+        if pos + 2 > end:
+            raise ValueError(f"headers: a name length is cut off at byte {pos} of {end}")
         (name_len,) = _NAME_LEN.unpack_from(blob, pos)
-        pos += 2
-        name = blob[pos : pos + name_len].decode()
-        pos += name_len
-        (value_len,) = _VALUE_LEN.unpack_from(blob, pos)
-        pos += 4
-        headers[name] = blob[pos : pos + value_len]
-        pos += value_len
+        name_end = pos + 2 + name_len
+        if name_end + 4 > end:
+            raise ValueError(f"headers: the header at byte {pos} runs past the end ({end})")
+        try:
+            name = blob[pos + 2 : name_end].decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"headers: the name at byte {pos} is not UTF-8") from None
+        (value_len,) = _VALUE_LEN.unpack_from(blob, name_end)
+        pos = name_end + 4 + value_len
+        if pos > end:
+            raise ValueError(f"headers: the value of {name!r} runs past the end ({end})")
+        headers[name] = blob[name_end + 4 : pos]
     return headers
 
 
+def parse_headers(blob: bytes | None) -> dict[str, bytes] | None:
+    """decode_headers, leniently: None for a blob that is not a valid headers blob."""
+    try:
+        return decode_headers(blob)
+    except (ValueError, TypeError):
+        return None
+
+
+def encode_fields(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """A stream entry's raw fields, in order, duplicates kept: per field a 4-byte name length,
+    the name, a 4-byte value length and the value (big-endian). Dead letters of malformed
+    entries keep them this way in the header x-redisq-raw-fields."""
+    parts: list[bytes] = []
+    for name, value in pairs:
+        parts += [_FIELD_LEN.pack(len(name)), name, _FIELD_LEN.pack(len(value)), value]
+    return b"".join(parts)
+
+
+def decode_fields(blob: bytes) -> list[tuple[bytes, bytes]]:
+    """encode_fields undone; ValueError for a blob that is not one."""
+    pairs = []
+    pos = 0
+    end = len(blob)
+    while pos < end:
+        items = []
+        for _ in range(2):
+            if pos + 4 > end:
+                raise ValueError(f"raw fields: a length is cut off at byte {pos} of {end}")
+            (size,) = _FIELD_LEN.unpack_from(blob, pos)
+            pos += 4 + size
+            if pos > end:
+                raise ValueError(f"raw fields: an item runs past the end ({end})")
+            items.append(blob[pos - size : pos])
+        pairs.append((items[0], items[1]))
+    return pairs
+
+
+# -- stream IDs ----------------------------------------------------------------------------------
+_STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
+
+
 def offset_parts(offset: str) -> tuple[int, int]:
-    """A stream ID ``<ms>-<seq>`` as a sortable pair of integers."""
-    ms, _, seq = offset.partition("-")
-    return int(ms), int(seq or 0)
+    """A stream ID ``<ms>-<seq>`` (or ``<ms>``, meaning ``<ms>-0``) as a sortable pair of
+    integers; ValueError for anything else. The one parser of stream IDs."""
+    match = _STREAM_ID.fullmatch(offset) if isinstance(offset, str) else None
+    if match is None:
+        raise ValueError(f"{offset!r} is not a stream ID <ms>-<seq>")
+    ms, seq = int(match.group(1)), int(match.group(2) or 0)
+    if ms > MAX_STREAM_ID_PART or seq > MAX_STREAM_ID_PART:
+        raise ValueError(f"{offset!r} is not a stream ID: a part is above 2**64 - 1")
+    return ms, seq
 
 
 def offset_at(first_id: str, index: int) -> str:
@@ -72,6 +173,7 @@ def offset_at(first_id: str, index: int) -> str:
     return f"{ms}-{int(seq) + index}"
 
 
+# -- records -------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class RecordMetadata:
     """What the broker answered for one sent message.
@@ -109,22 +211,236 @@ class Message:
         return self.timestamp_ms / 1000.0
 
 
+@dataclass(frozen=True, slots=True)
+class MalformedMessage(Message):
+    """An entry that breaks the rules of this module (see the module docstring).
+
+    A subclass rather than an error attribute on Message: code typed for Message keeps working
+    (ack() takes it), `isinstance(m, MalformedMessage)` is the one test, and the read hot path
+    sets no extra slot on every good message.
+
+    What could be read is set: offset and timestamp_ms always; key (``k``), value (``v``, else
+    b""), message_id (``m``) as stored; headers when ``h`` is a valid blob, else {}; producer_id
+    and sequence when they follow the rule, else None. raw_fields holds every field as stored,
+    in order; reason says what is wrong.
+    """
+
+    reason: str = ""
+    raw_fields: tuple[tuple[bytes, bytes], ...] = ()
+
+    def error(self) -> MalformedEntry:
+        return MalformedEntry(self.topic, self.partition, self.offset, self.reason)
+
+
+# Message's slot descriptors, in field order: decode_entries sets them directly, about 40%
+# cheaper than the frozen dataclass's __init__ (which goes through object.__setattr__ per field).
+_MESSAGE_FIELDS = (
+    "topic", "partition", "offset", "key", "value", "headers", "timestamp_ms",
+    "producer_id", "sequence", "message_id", "attempt",
+)  # fmt: skip
+if tuple(f.name for f in fields(Message)) != _MESSAGE_FIELDS:  # pragma: no cover
+    raise ImportError("Message changed: update records._MESSAGE_FIELDS")
+_SLOT_SETTERS = tuple(getattr(Message, name).__set__ for name in _MESSAGE_FIELDS)
+# Field layouts of includes/append.lua (names at the even positions of an entry's field list).
+_K_V_P = [b"k", b"v", b"p"]
+_K_V_P_S = [b"k", b"v", b"p", b"s"]
+_V_P_S = [b"v", b"p", b"s"]
+_K_V_M_P = [b"k", b"v", b"m", b"p"]
+_K_V = [b"k", b"v"]
+_K_V_H_P_S = [b"k", b"v", b"h", b"p", b"s"]
+_MISSING: Any = object()
+
+
+def decode_entries(
+    topic: str,
+    partition: int,
+    entries: Sequence[Any],
+    deliveries: Sequence[Any] | None = None,
+) -> list[Message]:
+    """Stream entries (raw flat field lists, or dicts as redis-py's callbacks give them) as
+    Messages, in order; an entry that breaks the rules becomes a MalformedMessage in its place.
+    deliveries[i] is entry i's delivery count (the Message's attempt). Never raises for what an
+    entry holds.
+
+    This is the read hot path: the field layouts written by includes/append.lua are recognised
+    by their field names and taken by position, the timestamp is parsed once per millisecond,
+    producer ids once per call, and the Messages' slots are set directly."""
+    messages: list[Message] = []
+    append = messages.append
+    new = object.__new__
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _SLOT_SETTERS
+    ms_prefix = "\0"
+    ms = 0
+    producer_ids: dict[Any, int | None] = {}
+    max_id = MAX_ID_FIELD
+    i = -1
+    for entry_id, flat in entries:
+        i += 1
+        offset = entry_id.decode() if type(entry_id) is bytes else str(entry_id)
+        attempt = max(1, int(deliveries[i])) if deliveries is not None else 1
+        try:
+            if not offset.startswith(ms_prefix):
+                dash = offset.find("-")
+                if dash <= 0 or not offset[:dash].isdigit():
+                    ms_prefix = "\0"
+                    raise ValueError(offset)
+                ms_prefix = offset[: dash + 1]
+                ms = int(offset[:dash])
+            blob = message_id = sequence = None
+            names = flat[0::2] if type(flat) is list else None
+            if names == _K_V_P_S:
+                key, value, producer_id, sequence = flat[1], flat[3], flat[5], flat[7]
+            elif names == _K_V_P:
+                key, value, producer_id = flat[1], flat[3], flat[5]
+            elif names == _V_P_S:
+                key, value, producer_id, sequence = None, flat[1], flat[3], flat[5]
+            elif names == _K_V_M_P:
+                key, value, message_id, producer_id = flat[1], flat[3], flat[5], flat[7]
+            elif names == _K_V:
+                key, value, producer_id = flat[1], flat[3], None
+            elif names == _K_V_H_P_S:
+                key, value, blob, producer_id, sequence = (
+                    flat[1], flat[3], flat[5], flat[7], flat[9]
+                )  # fmt: skip
+            else:
+                found = _field_map(flat)
+                if found is None or b"v" not in found:
+                    raise ValueError(offset)
+                get = found.get
+                key, value, blob = get(b"k"), found[b"v"], get(b"h")
+                message_id, producer_id, sequence = get(b"m"), get(b"p"), get(b"s")
+            if producer_id is not None:
+                pid = producer_ids.get(producer_id, _MISSING)
+                if pid is _MISSING:
+                    pid = producer_ids[producer_id] = parse_id_field(producer_id)
+                if pid is None:
+                    raise ValueError(offset)
+            else:
+                pid = None
+            # isdigit() of bytes takes ASCII digits only; a str that int() refuses raises
+            # here and is caught below: the rule is parse_id_field's.
+            if sequence is not None:
+                if not sequence.isdigit() or (seq := int(sequence)) > max_id:
+                    raise ValueError(offset)
+            else:
+                seq = None
+            headers = decode_headers(blob) if blob else {}
+        except Exception:  # every rule broken, and anything unforeseen: never raise
+            at_ms = ms if offset.startswith(ms_prefix) else 0
+            append(_malformed(topic, partition, offset, at_ms, flat, attempt))
+            continue
+        m = new(Message)
+        s0(m, topic)
+        s1(m, partition)
+        s2(m, offset)
+        s3(m, key)
+        s4(m, value)
+        s5(m, headers)
+        s6(m, ms)
+        s7(m, pid)
+        s8(m, seq)
+        s9(m, message_id)
+        s10(m, attempt)
+        append(m)
+    return messages
+
+
 def decode_entry(
-    topic: str, partition: int, entry_id: Any, fields: Mapping[bytes, bytes]
+    topic: str, partition: int, entry_id: Any, fields: Mapping[bytes, bytes] | Sequence[bytes]
 ) -> Message:
-    """A stream entry (as redis-py returns it, bytes) as a Message."""
-    offset = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-    producer_id = fields.get(b"p")
-    sequence = fields.get(b"s")
-    return Message(
+    """One stream entry as a Message (or a MalformedMessage); see decode_entries."""
+    return decode_entries(topic, partition, [(entry_id, fields)])[0]
+
+
+def _field_map(flat: Any) -> dict[Any, Any] | None:
+    """An entry's fields as a dict, or None when they are not unique name/value pairs."""
+    if type(flat) is dict:
+        return flat
+    if not isinstance(flat, list | tuple) or len(flat) % 2:
+        return None
+    it = iter(flat)
+    found = dict(zip(it, it, strict=True))
+    return found if len(found) * 2 == len(flat) else None
+
+
+def _raw_pairs(flat: Any) -> list[tuple[bytes, bytes]]:
+    if isinstance(flat, Mapping):
+        items = list(flat.items())
+    elif isinstance(flat, list | tuple):
+        items = list(zip(flat[0::2], flat[1::2], strict=False))
+        if len(flat) % 2:
+            items.append((flat[-1], b""))
+    else:
+        items = []
+    return [(_as_bytes(name), _as_bytes(value)) for name, value in items]
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return str(value).encode()
+
+
+def _show(raw: bytes, limit: int = 40) -> str:
+    return repr(raw[:limit]) + ("..." if len(raw) > limit else "")
+
+
+def _malformed(
+    topic: str, partition: int, offset: str, ms: int, flat: Any, attempt: int
+) -> MalformedMessage:
+    """The slow path: read what can be read and say everything that is wrong."""
+    pairs = _raw_pairs(flat)
+    reasons: list[str] = []
+    if flat is None or not pairs:
+        reasons.append("the entry has no fields")
+    elif isinstance(flat, list | tuple) and len(flat) % 2:
+        reasons.append(f"an odd number of field items ({len(flat)}): names and values do not pair")
+    first: dict[bytes, bytes] = {}
+    counts: dict[bytes, int] = {}
+    for name, value in pairs:
+        first.setdefault(name, value)
+        counts[name] = counts.get(name, 0) + 1
+    reasons += [
+        f"field {name.decode(errors='replace')!r} appears {n} times"
+        for name, n in counts.items()
+        if n > 1 and name in (b"k", b"v", b"h", b"m", b"p", b"s")
+    ]
+    if pairs and b"v" not in first:
+        reasons.append("no value field 'v'")
+    producer_id = sequence = None
+    if b"p" in first:
+        producer_id = parse_id_field(first[b"p"])
+        if producer_id is None:
+            reasons.append(f"producer id {_show(first[b'p'])} is not a decimal below 2**63")
+    if b"s" in first:
+        sequence = parse_id_field(first[b"s"])
+        if sequence is None:
+            reasons.append(f"sequence {_show(first[b's'])} is not a decimal below 2**63")
+    headers: dict[str, bytes] = {}
+    if first.get(b"h"):
+        try:
+            headers = decode_headers(first[b"h"])
+        except ValueError as exc:
+            reasons.append(str(exc))
+    dash = offset.find("-")
+    if dash <= 0 or not offset[:dash].isdigit():
+        reasons.append(f"the entry ID {offset!r} is not a stream ID")
+    if not reasons:  # pragma: no cover - the fast path sent a valid entry here
+        reasons.append("undecodable entry")
+    return MalformedMessage(
         topic=topic,
         partition=partition,
         offset=offset,
-        key=fields.get(b"k"),
-        value=fields.get(b"v", b""),
-        headers=decode_headers(fields.get(b"h")),
-        timestamp_ms=offset_parts(offset)[0],
-        producer_id=int(producer_id) if producer_id is not None else None,
-        sequence=int(sequence) if sequence is not None else None,
-        message_id=fields.get(b"m"),
+        key=first.get(b"k"),
+        value=first.get(b"v", b""),
+        headers=headers,
+        timestamp_ms=ms,
+        producer_id=producer_id,
+        sequence=sequence,
+        message_id=first.get(b"m"),
+        attempt=attempt,
+        reason="; ".join(reasons),
+        raw_fields=tuple(pairs),
     )
