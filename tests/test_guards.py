@@ -1,0 +1,332 @@
+"""Guards that only a test can defend: each test here fails when the check it names is removed
+from the library (issue 9, item 11). The mutants they were tried against are listed per test.
+
+  * The fenced read: a member whose lease was granted to another member reads nothing more of
+    that partition and cannot ack (consumer._read_new_entries compares the lease it WATCHes).
+  * The lease deadline: a member that cannot renew stops handling before its lease runs out,
+    even while its reads still work (the deadline checks in consumer._handle_batch and
+    consumer._may_handle).
+  * Retention by count on real servers: MAXLEN ~ keeps the newest N and at most one stream
+    node more (lua/includes/append.lua).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+import redisq
+from redisq.errors import LeaseLost
+from redisq.group import GroupMembership, Lease, parse_lease
+from tests.servers import ServerProcess, binary_for
+
+# The fenced-read tests: leases so long that member A's coordinator renews nothing and sees no
+# other member during a test (renewal after ttl / 3 = 200 s, next heartbeat after 300 s), so
+# only the read path itself can notice that the lease moved.
+LONG_LEASE = {"lease_ttl_ms": 600_000, "heartbeat_interval_ms": 300_000}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def send(broker: redisq.Broker, topic: str, values: range) -> None:
+    with broker.producer() as producer:
+        for i in values:
+            producer.send_async(topic, b"%d" % i)
+
+
+def poll_and_ack(consumer: redisq.Consumer, count: int) -> list[redisq.Message]:
+    """Poll (acking each batch, as an orderly poll loop must) until count messages came."""
+    got: list[redisq.Message] = []
+    deadline = time.monotonic() + 30
+    while len(got) < count and time.monotonic() < deadline:
+        messages = consumer.poll(timeout=0.2)
+        if messages:
+            consumer.ack(messages)
+            got.extend(messages)
+    return got
+
+
+def values(messages: list[redisq.Message]) -> list[int]:
+    return [int(m.value) for m in messages]
+
+
+def pending_of(broker: redisq.Broker, topic: str, group: str, member: str) -> list[Any]:
+    return list(
+        broker.client.xpending_range(
+            broker.keys.log(topic, 0), group, "-", "+", 100, consumername=member
+        )
+    )
+
+
+# -- the fenced read ---------------------------------------------------------------------------
+
+
+def test_member_whose_lease_moved_reads_nothing_of_that_partition(broker: redisq.Broker) -> None:
+    """A polled and acked; its lease then expired (deleted here, as a pause past the ttl would
+    leave it) and B was granted it. A's coordinator has not noticed, so A still believes it owns
+    the partition: its next poll must return nothing of it and pull nothing into its pending
+    list, its acks are refused, and B gets the new messages.
+
+    Mutant: without the lease comparison in Consumer._read_new_entries (the standalone WATCH/GET/
+    MULTI read), A's poll returns 5..9 and the test fails (valkey, redis)."""
+    broker.create_topic("t", partitions=1)
+    send(broker, "t", range(0, 5))
+    a = broker.consumer("t", "g", "z-a", **LONG_LEASE)
+    b: redisq.Consumer | None = None
+    try:
+        first = poll_and_ack(a, 5)
+        assert values(first) == [0, 1, 2, 3, 4]
+
+        assert broker.client.delete(broker.keys.lease("t", 0, "g")) == 1
+        # B sorts first among [b, z-a]: the partition is B's; B takes the free lease at once.
+        b = broker.consumer("t", "g", "b", lease_ttl_ms=600_000)
+        wait_until(lambda: b is not None and b.assignment == [0], what="B holding the lease")
+        send(broker, "t", range(5, 10))
+        assert a.assignment == [0], "precondition: A has not noticed the new grant by itself"
+
+        assert a.poll(timeout=0.5) == []
+        assert a.assignment == []
+        assert pending_of(broker, "t", "g", "z-a") == []
+        with pytest.raises(LeaseLost):
+            a.ack(first)
+        assert values(poll_and_ack(b, 5)) == [5, 6, 7, 8, 9]
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_stale_member_acks_are_refused_and_the_new_owner_redelivers(
+    broker: redisq.Broker,
+) -> None:
+    """A polled 0..4 and had not acked them when its lease went to B: A's ack is refused by
+    Redis (nothing acked), and B handles 0..4 again (second delivery), then 5..9, in order."""
+    broker.create_topic("t", partitions=1)
+    send(broker, "t", range(0, 5))
+    a = broker.consumer("t", "g", "z-a", **LONG_LEASE)
+    b: redisq.Consumer | None = None
+    try:
+        stale: list[redisq.Message] = []
+        wait_until(lambda: bool(stale.extend(a.poll(timeout=0.2)) or stale), what="A's poll")
+        assert values(stale) == [0, 1, 2, 3, 4]
+
+        assert broker.client.delete(broker.keys.lease("t", 0, "g")) == 1
+        b = broker.consumer("t", "g", "b", lease_ttl_ms=600_000)
+        wait_until(lambda: b is not None and b.assignment == [0], what="B holding the lease")
+        send(broker, "t", range(5, 10))
+
+        with pytest.raises(LeaseLost):
+            a.ack(stale)
+        assert len(pending_of(broker, "t", "g", "z-a")) == 5  # nothing was acked
+        redelivered = poll_and_ack(b, 10)
+        assert values(redelivered) == list(range(10))
+        assert [m.attempt for m in redelivered[:5]] == [2] * 5
+        assert broker.client.xpending(broker.keys.log("t", 0), "g")["pending"] == 0
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+# -- the lease deadline --------------------------------------------------------------------------
+
+DEADLINE_TTL_MS = 1500
+
+
+class CutOff:
+    """Cuts member `name` off from its group's coordination once it holds a lease: heartbeats,
+    lease grants, renewals and releases raise ConnectionError (as on a link that drops those
+    calls), while its reads, acks and handlers go on. Records the leases granted per member."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.name = name
+        self.cut = threading.Event()
+        self.grants: dict[str, list[Lease]] = {}
+        for method in ("heartbeat", "renew_lease", "release_lease"):
+            monkeypatch.setattr(GroupMembership, method, self._failing(method))
+        acquire = GroupMembership.acquire_lease
+
+        def acquire_lease(membership: GroupMembership, partition: int) -> Lease | None:
+            if membership.member == self.name and self.cut.is_set():
+                raise redis.ConnectionError("cut off by the test")
+            lease = acquire(membership, partition)
+            if lease is not None:
+                self.grants.setdefault(membership.member, []).append(lease)
+                if membership.member == self.name:
+                    self.cut.set()
+            return lease
+
+        monkeypatch.setattr(GroupMembership, "acquire_lease", acquire_lease)
+
+    def _failing(self, method: str) -> Callable[..., Any]:
+        original = getattr(GroupMembership, method)
+
+        def call(membership: GroupMembership, *args: Any) -> Any:
+            if membership.member == self.name and self.cut.is_set():
+                raise redis.ConnectionError("cut off by the test")
+            return original(membership, *args)
+
+        return call
+
+
+class Handler:
+    """Records the wall-clock start of every call, and the offsets handled successfully. The
+    servers run on this host, so time.time() and the server's TIME read the same clock."""
+
+    def __init__(self, sleep: float, fail: bool = False) -> None:
+        self.sleep = sleep
+        self.fail = fail
+        self.starts: list[float] = []
+        self.done: set[str] = set()
+
+    def __call__(self, message: redisq.Message) -> None:
+        self.starts.append(time.time())
+        if self.fail:
+            raise RuntimeError("downstream unavailable")
+        time.sleep(self.sleep)
+        self.done.add(message.offset)
+
+
+@pytest.fixture
+def running() -> Iterator[list[redisq.Consumer]]:
+    consumers: list[redisq.Consumer] = []
+    yield consumers
+    for consumer in consumers:
+        consumer.close(timeout=10)
+
+
+def run_in_thread(consumer: redisq.Consumer, handler: Handler) -> threading.Thread:
+    thread = threading.Thread(target=consumer.run, args=(handler,), daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("backend", ["valkey"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # One lane: a 500-message batch takes 2.5 s, so the deadline falls inside it
+        # (mutant: the `limit` check removed from Consumer._handle_batch).
+        pytest.param({"key_concurrency": 1, "sleep": 0.005}, id="one-lane"),
+        # Key lanes: each lane checks before every message (mutant: the deadline removed from
+        # Consumer._may_handle).
+        pytest.param({"key_concurrency": 4, "sleep": 0.02}, id="key-lanes"),
+        # Policy block on a handler that always fails: retries would go on for ever (mutant:
+        # the deadline removed from Consumer._may_handle, which the retry sleep checks).
+        pytest.param({"key_concurrency": 1, "sleep": 0.0, "fail": True}, id="retrying"),
+    ],
+)
+def test_member_that_cannot_renew_stops_before_its_lease_deadline(
+    broker: redisq.Broker,
+    monkeypatch: pytest.MonkeyPatch,
+    running: list[redisq.Consumer],
+    variant: dict[str, Any],
+) -> None:
+    """A holds the only partition; then none of its renewals (nor heartbeats) arrive, while its
+    reads and acks still work and messages keep coming. No handler call of A may start after
+    its lease expires in Redis (grant time + ttl, server clock); the partition then passes to B,
+    and every message is handled."""
+    cut = CutOff(monkeypatch, "a")
+    broker.create_topic("t", partitions=1)
+    with broker.producer() as producer:
+        for i in range(600):
+            producer.send_async("t", b"%d" % i, key=f"key{i % 16}")
+    flowing = threading.Event()
+    flowing.set()
+
+    def produce_continuously() -> None:
+        with broker.producer(linger_ms=0) as producer:
+            i = 600
+            while flowing.is_set():
+                producer.send("t", b"%d" % i, key=f"key{i % 16}")
+                i += 1
+                time.sleep(0.005)
+
+    fail = bool(variant.get("fail"))
+    options: dict[str, Any] = {
+        "lease_ttl_ms": DEADLINE_TTL_MS,
+        "batch_size": 500,
+        "ack_interval_ms": 1000,
+        "key_concurrency": variant["key_concurrency"],
+        "retry_backoff_ms": 50,
+        "max_retry_backoff_ms": 50,
+        "failure_policy": "block" if fail else "dead_letter",
+    }
+    a_handler = Handler(variant["sleep"], fail=fail)
+    b_handler = Handler(0.0005)
+    producing = threading.Thread(target=produce_continuously, daemon=True)
+    try:
+        a = broker.consumer("t", "g", "a", **options)
+        running.append(a)
+        run_in_thread(a, a_handler)
+        producing.start()
+        wait_until(cut.cut.is_set, what="A granted the lease")
+        (lease,) = cut.grants["a"]
+        parsed = parse_lease(lease.value)
+        assert parsed is not None
+        expiry = (parsed[2] + DEADLINE_TTL_MS) / 1000  # the lease's PX runs from its grant
+
+        b = broker.consumer("t", "g", "b", **options)
+        running.append(b)
+        run_in_thread(b, b_handler)
+        wait_until(
+            lambda: len([t for t in b_handler.starts if t > expiry]) >= 50,
+            what="B handling the partition after A's lease ran out",
+        )
+    finally:
+        flowing.clear()
+        if producing.is_alive():
+            producing.join(30)
+    offsets = {m.offset for m in broker.read("t", 0)}
+    wait_until(lambda: offsets <= a_handler.done | b_handler.done, what="every message handled")
+    for consumer in running:
+        consumer.close(timeout=10)
+
+    assert a_handler.starts, "A handled nothing before its deadline"
+    late = [round(t - expiry, 3) for t in a_handler.starts if t >= expiry]
+    assert late == [], f"{len(late)} handler calls of A started after its lease ran out (s)"
+    assert cut.grants["a"] == [lease], "A was granted the partition again"
+    assert cut.grants.get("b"), "B never took the partition over"
+
+
+# -- retention by count on real servers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["valkey", "redis"])
+def test_retention_by_count_keeps_the_newest_and_at_most_a_node_more(kind: str) -> None:
+    """retention_messages=N with XTRIM MAXLEN ~ after every batch: N <= length <= N + node - 1
+    (a whole node is dropped only if N remain), and the kept messages are the newest. A server
+    of our own, with small stream nodes, so the bound is tight."""
+    node_entries = 4
+    server = ServerProcess(
+        binary_for(kind), config={"stream-node-max-entries": str(node_entries)}
+    ).start()
+    try:
+        broker = redisq.connect(server.url, namespace="retention")
+        broker.create_topic("t", retention_messages=10)
+        lengths = []
+        with broker.producer(max_batch_messages=5) as producer:
+            for i in range(200):
+                producer.send_async("t", b"%d" % i)
+                if i % 5 == 4:
+                    producer.flush()
+                    lengths.append((i + 1, broker.describe_topic("t").partitions[0].length))
+        kept = [int(m.value) for m in broker.read("t", 0)]
+        broker.close()
+    finally:
+        server.stop()
+    for sent, length in lengths:
+        assert min(sent, 10) <= length <= 10 + node_entries - 1, (sent, length)
+    assert kept == list(range(200 - len(kept), 200))
