@@ -1,35 +1,45 @@
 --[[ produce_message_id: append one batch, skipping messages whose id was seen in the dedup window.
 
 KEYS[1]  partition stream                                    <ns>:{<topic>:<p>}:log
-KEYS[2]  dedup bucket of the current time slice, a hash      <ns>:{<topic>:<p>}:dedup:<b>
-KEYS[3]  dedup bucket of the previous time slice, a hash     <ns>:{<topic>:<p>}:dedup:<b-1>
+KEYS[2]  dedup bucket 0 of the partition, a hash             <ns>:{<topic>:<p>}:dedup:0
+KEYS[3]  dedup bucket 1 of the partition, a hash             <ns>:{<topic>:<p>}:dedup:1
 KEYS[4]  producer state of (partition, PID), a hash         <ns>:{<topic>:<p>}:pid:<pid>
-ARGV[1]  producer id (PID), stored with each entry (empty: none)
-ARGV[2]  expiry of the current bucket in ms (the end of the next slice: an id is remembered for
-         at least one window and at most two)
-ARGV[3]  maxlen retention (0: none)
-ARGV[4]  retention_ms (0: none)
-ARGV[5]  layout letters of the per-message arguments; must contain m (see includes/append.lua)
-ARGV[6]  number of messages
-ARGV[7]  batch number of this producer on this partition (0, 1, 2, ...)
-ARGV[8]  acked_next: the batch number after the producer's last acknowledged batch here (the
+ARGV[1]  producer id (PID), stored with each entry
+ARGV[2]  epoch of the producer instance
+ARGV[3]  dedup window in ms
+ARGV[4]  maxlen retention (0: none)
+ARGV[5]  retention_ms (0: none)
+ARGV[6]  layout letters of the per-message arguments; must contain m (see includes/append.lua)
+ARGV[7]  number of messages
+ARGV[8]  batch number of this producer instance on this partition (0, 1, 2, ...)
+ARGV[9]  acked_next: the batch number after the producer's last acknowledged batch here (the
          next expected one when the broker holds no state for this PID, or less than that)
-ARGV[9]  state_ttl_ms: expiry of the state key, refreshed on every write
-ARGV[10...] the messages, #layout arguments each
+ARGV[10] state_ttl_ms: expiry of the state key, refreshed on every write
+ARGV[11] "1" for a named producer, "0" for an anonymous one (see produce_sequence.lua)
+ARGV[12...] the messages, #layout arguments each
+
+Time slices of the dedup window come from the server's clock (TIME), never a client's: slice
+s = floor(now / window) lives in bucket s % 2, whose field "" records s (a message id is never
+empty). A bucket still holding slice s - 2 or older is emptied before it is reused; the other
+bucket counts while it holds slice s - 1. An id is remembered for at least one window and at
+most two, whatever the clocks of the producers that send it.
 
 Batch numbers keep a producer's batches in order when several are in flight: a batch after a
 missing one is refused (OUT_OF_ORDER) and re-sent after it. A batch that was written before
 goes through the id check again, which answers every message as a duplicate with its offset.
+Epochs fence as in produce_sequence.lua.
 
-Bucket hashes map message id -> the stream ID it was first written at. Ids live in per-slice
-hashes that expire whole, which costs far less memory per id than one key per id.
+Bucket hashes map message id -> the stream ID it was first written at. Ids live in two hashes
+per partition that are emptied whole, which costs far less memory per id than one key per id.
 
 Returns {flags, first_id, dup_id_1, ..., dup_id_k}: flags has one character per message, "0"
 appended or "1" duplicate. The appended messages got consecutive IDs from first_id (empty if none
 was appended); dup_id_j is the ID the j-th duplicate was first written at.
 Error replies
-  TOPIC_NOT_FOUND             the partition stream does not exist
-  OUT_OF_ORDER expected=<n>   a batch before this one is missing: nothing written
+  TOPIC_NOT_FOUND                       the partition stream does not exist
+  PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this PID is stored here
+  UNKNOWN_PRODUCER stored=<e> got=<e>   named producer without its epoch here: nothing written
+  OUT_OF_ORDER expected=<n>             a batch before this one is missing: nothing written
 ]]
 -- #include includes/append.lua
 
@@ -37,19 +47,54 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
 
-local batch_no = tonumber(ARGV[7])
-local last_batch = tonumber(redis.call('HGET', KEYS[4], 'batch'))
+local epoch = tonumber(ARGV[2])
+local batch_no = tonumber(ARGV[8])
+local acked_next = tonumber(ARGV[9])
+local state = redis.call('HMGET', KEYS[4], 'epoch', 'batch')
+local stored_epoch = tonumber(state[1])
+local last_batch
+if stored_epoch and epoch < stored_epoch then
+  return redis.error_reply('PRODUCER_FENCED stored=' .. state[1] .. ' got=' .. ARGV[2])
+end
+if stored_epoch == epoch then
+  last_batch = tonumber(state[2]) or -1
+elseif ARGV[11] == '1' then
+  return redis.error_reply('UNKNOWN_PRODUCER stored=' .. tostring(state[1]) .. ' got=' .. ARGV[2])
+else
+  if stored_epoch then
+    redis.call('DEL', KEYS[4])
+  end
+  last_batch = acked_next - 1
+  redis.call('HSET', KEYS[4], 'epoch', ARGV[2], 'batch', string.format('%.0f', last_batch))
+  redis.call('PEXPIRE', KEYS[4], ARGV[10])
+end
 -- As in produce_sequence: never expect less than the producer knows was acknowledged (a failover
 -- to a replica that missed the last writes would otherwise refuse every later batch).
-local expected = math.max(last_batch and last_batch + 1 or 0, tonumber(ARGV[8]))
+local expected = math.max(last_batch + 1, acked_next)
 if batch_no > expected then
   return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', expected))
 end
 
+-- The two buckets of the ring: the current slice's (emptied if it holds an older slice) and the
+-- previous slice's (looked up only while it holds exactly that slice).
+local now_ms = server_now_ms()
+local window_ms = tonumber(ARGV[3])
+local slice = math.floor(now_ms / window_ms)
+local current = KEYS[2 + slice % 2]
+local previous = KEYS[2 + (slice + 1) % 2]
+local slice_text = string.format('%.0f', slice)
+local held = tonumber(redis.call('HGET', current, ''))
+-- A bucket of a newer slice (the clock went back after a failover) is kept, not emptied.
+local fresh = held == nil or held < slice
+if fresh then
+  redis.call('DEL', current)
+end
+local previous_valid = redis.call('HGET', previous, '') == string.format('%.0f', slice - 1)
+
 local producer_id = ARGV[1]
-local layout = ARGV[5]
+local layout = ARGV[6]
 local m_at = string.find(layout, 'm', 1, true) - 1
-local count = tonumber(ARGV[6])
+local count = tonumber(ARGV[7])
 
 -- Every id is looked up at once (HMGET per bucket, in chunks), the new ones are appended and then
 -- recorded with one HSET: per message, the XADD is the only call. A message is new if its id is
@@ -58,7 +103,7 @@ local count = tonumber(ARGV[6])
 local stride = #layout
 local message_ids = {}
 for i = 1, count do
-  message_ids[i] = ARGV[10 + (i - 1) * stride + m_at]
+  message_ids[i] = ARGV[12 + (i - 1) * stride + m_at]
 end
 local function lookup(bucket)
   local found = {}
@@ -71,10 +116,13 @@ local function lookup(bucket)
   end
   return found
 end
-local in_current = lookup(KEYS[2])
+local in_current = {}
+if not fresh then
+  in_current = lookup(current)
+end
 local in_previous = {}
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  in_previous = lookup(KEYS[3])
+if previous_valid then
+  in_previous = lookup(previous)
 end
 local first_in_batch = {} -- message id -> index of its first occurrence appended by this batch
 local duplicate_of = {}   -- index -> the stream ID it was first written at, or that first index
@@ -92,20 +140,20 @@ local function claim(i, pos, id)
   return false
 end
 
-local appended = append_messages(KEYS[1], layout, 10, count, producer_id, nil, claim)
+local appended = append_messages(KEYS[1], layout, 12, count, producer_id, nil, claim)
 local remembered = {}
 for i = 1, count do
   if appended.ids[i] then
     remembered[#remembered + 1] = message_ids[i]
     remembered[#remembered + 1] = appended.ids[i]
     if #remembered >= 1000 then
-      redis.call('HSET', KEYS[2], unpack(remembered))
+      redis.call('HSET', current, unpack(remembered))
       remembered = {}
     end
   end
 end
 if #remembered > 0 then
-  redis.call('HSET', KEYS[2], unpack(remembered))
+  redis.call('HSET', current, unpack(remembered))
 end
 local flags = {}
 local result = {'', appended.first or ''}
@@ -122,12 +170,16 @@ for i = 1, count do
   end
 end
 if batch_no == expected then
-  redis.call('HSET', KEYS[4], 'batch', ARGV[7])
-  redis.call('PEXPIRE', KEYS[4], ARGV[9])
+  redis.call('HSET', KEYS[4], 'batch', ARGV[8])
+  redis.call('PEXPIRE', KEYS[4], ARGV[10])
 end
 if appended.count > 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  trim_retention(KEYS[1], appended.last, tonumber(ARGV[3]), tonumber(ARGV[4]))
+  if fresh then
+    redis.call('HSET', current, '', slice_text)
+  end
+  -- Needed until the end of the next slice; then the ring reuses this bucket for slice + 2.
+  redis.call('PEXPIRE', current, string.format('%.0f', (slice + 2) * window_ms - now_ms + 1000))
+  trim_retention(KEYS[1], appended.last, tonumber(ARGV[4]), tonumber(ARGV[5]))
 end
 result[1] = table.concat(flags)
 return result

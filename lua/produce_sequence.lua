@@ -3,7 +3,7 @@
 KEYS[1]  partition stream                              <ns>:{<topic>:<p>}:log
 KEYS[2]  producer state of (partition, PID), a hash     <ns>:{<topic>:<p>}:pid:<pid>
 ARGV[1]  producer id (PID)
-ARGV[2]  epoch of the producer
+ARGV[2]  epoch of the producer instance
 ARGV[3]  base sequence of the batch
 ARGV[4]  number of messages in the batch
 ARGV[5]  acked_next: the sequence after the producer's last acknowledged batch on this partition
@@ -14,13 +14,20 @@ ARGV[7]  state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[8]  maxlen retention (0: none)
 ARGV[9]  retention_ms (0: none)
 ARGV[10] layout letters of the per-message arguments (see includes/append.lua)
-ARGV[11...] the messages, #layout arguments each, then the sequence number of each message as a
+ARGV[11] "1" for a named producer (fenced by its name's registration), "0" for an anonymous one
+ARGV[12...] the messages, #layout arguments each, then the sequence number of each message as a
          string (base + i, stored in field s)
 
 State hash fields: epoch, next (next expected sequence), nb (batches written),
-w<slot> = "<base>:<count>:<first stream ID>" for the last `window` batches. With no state for
-this epoch, the epoch and next = acked_next are stored before the batch is checked (even if it is
-then a duplicate or a gap), so an older epoch is refused from then on.
+w<slot> = "<base>:<count>:<first stream ID>" for the last `window` batches.
+
+A named producer's state on this partition must carry its epoch before it writes here: that
+state is what fences older instances, and a missing or older one cannot tell a new instance from
+a zombie (the state expired, the partition was added later, Redis lost it). The client then
+checks its name's registration (register_producer_topic.lua) and stores its epoch here
+(fence_producer.lua) before it sends again. An anonymous producer has no other instance: with
+no state for its epoch, its epoch and next = acked_next are stored before the batch is checked,
+so an older epoch (its own abandoned batches) is refused from then on.
 
 Returns
   {"OK", first_id}    appended; message i of the batch has ID <ms>-<seq + i> of first_id
@@ -28,7 +35,8 @@ Returns
   {"DUP"}             an older duplicate: nothing written, offset unknown
 Error replies
   TOPIC_NOT_FOUND                       the partition stream does not exist
-  PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this PID exists
+  PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this PID is stored here
+  UNKNOWN_PRODUCER stored=<e> got=<e>   named producer without its epoch here: nothing written
   OUT_OF_ORDER expected=<n>             a gap: nothing written, re-send from sequence n
 ]]
 -- #include includes/append.lua
@@ -46,16 +54,18 @@ local state = redis.call('HMGET', KEYS[2], 'epoch', 'next', 'nb')
 local stored_epoch = tonumber(state[1])
 local next_seq, batches
 if stored_epoch and epoch < stored_epoch then
-  return redis.error_reply('PRODUCER_FENCED stored=' .. stored_epoch .. ' got=' .. epoch)
+  return redis.error_reply('PRODUCER_FENCED stored=' .. state[1] .. ' got=' .. ARGV[2])
 end
 if stored_epoch == epoch and state[2] then
   next_seq = tonumber(state[2])
   batches = tonumber(state[3]) or 0
+elseif ARGV[11] == '1' then
+  return redis.error_reply('UNKNOWN_PRODUCER stored=' .. tostring(state[1]) .. ' got=' .. ARGV[2])
 else
-  -- No state for this PID and epoch: it expired, or a new epoch arrives where no fence reached.
-  -- Everything before acked_next was acknowledged, so accepting acked_next opens no gap.
-  -- The epoch is stored now, even if this batch turns out a duplicate or a gap: from here on an
-  -- older instance is fenced (deleting the old state and writing nothing would let it back in).
+  -- No state for this PID and epoch: it expired, or the anonymous producer moved to a new epoch
+  -- where no fence reached. Everything before acked_next was acknowledged, so accepting
+  -- acked_next opens no gap. The epoch is stored now, even if this batch turns out a duplicate
+  -- or a gap: from here on an older epoch is refused.
   if stored_epoch then
     redis.call('DEL', KEYS[2])
   end
@@ -94,7 +104,7 @@ if base > next_seq then
   return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', next_seq))
 end
 
-local appended = append_messages(KEYS[1], ARGV[10], 11, count, ARGV[1], 11 + count * #ARGV[10], nil)
+local appended = append_messages(KEYS[1], ARGV[10], 12, count, ARGV[1], 12 + count * #ARGV[10], nil)
 
 redis.call('HSET', KEYS[2],
   'epoch', ARGV[2],

@@ -6,7 +6,6 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis.cluster import RedisCluster
@@ -15,8 +14,15 @@ from redis.exceptions import ResponseError
 from redisq import connection
 from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicExists, TopicNotFound, check_int
 from redisq.keys import KeySpace, validate_topic
-from redisq.records import Message, decode_entry
+from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import Scripts, is_fake
+from redisq.topic import (
+    DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_PRODUCER_STATE_TTL_MS,
+    PartitionInfo,
+    TopicConfig,
+    TopicDescription,
+)
 
 if TYPE_CHECKING:
     from redisq.consumer import Consumer
@@ -25,67 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("redisq.broker")
 
 MAX_PARTITIONS = 4096
-DEFAULT_DEDUP_WINDOW_MS = 24 * 3600 * 1000
-DEFAULT_PRODUCER_STATE_TTL_MS = 24 * 3600 * 1000
-
-
-@dataclass(frozen=True, slots=True)
-class TopicConfig:
-    """A topic's metadata as stored in its hash."""
-
-    name: str
-    partitions: int
-    retention_ms: int = 0
-    retention_messages: int = 0
-    dedup_window_ms: int = DEFAULT_DEDUP_WINDOW_MS
-    producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS
-    created_ms: int = 0
-    topic_id: str = ""
-
-    @property
-    def state_ttl_ms(self) -> int:
-        """Producer state never expires before the messages it protects (DESIGN §2)."""
-        return max(self.producer_state_ttl_ms, self.retention_ms)
-
-    @classmethod
-    def from_hash(cls, name: str, raw: dict[bytes, bytes]) -> TopicConfig:
-        def number(field_name: str, default: int) -> int:
-            value = raw.get(field_name.encode())
-            return int(value) if value is not None else default
-
-        return cls(
-            name=name,
-            partitions=number("partitions", 0),
-            retention_ms=number("retention_ms", 0),
-            retention_messages=number("retention_messages", 0),
-            dedup_window_ms=number("dedup_window_ms", DEFAULT_DEDUP_WINDOW_MS),
-            producer_state_ttl_ms=number("producer_state_ttl_ms", DEFAULT_PRODUCER_STATE_TTL_MS),
-            created_ms=number("created_ms", 0),
-            topic_id=raw.get(b"topic_id", b"").decode(),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionInfo:
-    partition: int
-    length: int
-    first_offset: str | None
-    last_offset: str | None
-    node: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TopicDescription:
-    config: TopicConfig
-    partitions: list[PartitionInfo] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def total_messages(self) -> int:
-        return sum(p.length for p in self.partitions)
 
 
 class Broker:
@@ -330,8 +275,17 @@ class Broker:
         end: str = "+",
         count: int | None = None,
         batch: int = 1000,
+        on_malformed: str = "yield",
     ) -> Iterator[Message]:
-        """Messages of one partition in offset order, from start to end (inclusive; XRANGE)."""
+        """Messages of one partition in offset order, from start to end (inclusive; XRANGE).
+
+        An entry that is not a redisq message (written by another client: see records.py) is
+        yielded in its place as a records.MalformedMessage with what could be read (offset,
+        timestamp, key, value, message id; headers, producer id and sequence when valid), its
+        reason and its raw fields: a reader sees every entry, and one bad entry stops nothing.
+        on_malformed="raise" raises records.MalformedEntry naming its offset instead."""
+        if on_malformed not in ("yield", "raise"):
+            raise InvalidConfig(f"on_malformed={on_malformed!r}: expected 'yield' or 'raise'")
         self.check_partition(topic, partition)
         key = self.keys.log(topic, partition)
         returned = 0
@@ -341,8 +295,10 @@ class Broker:
             entries = self.client.xrange(key, min=cursor, max=end, count=size)
             if not entries:
                 return
-            for entry_id, fields in entries:
-                yield decode_entry(topic, partition, entry_id, fields)
+            for message in decode_entries(topic, partition, entries):
+                if on_malformed == "raise" and isinstance(message, MalformedMessage):
+                    raise message.error()
+                yield message
             returned += len(entries)
             last = entries[-1][0].decode()
             cursor = "(" + last

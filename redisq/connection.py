@@ -15,10 +15,11 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
-from redisq.errors import UnsupportedServer
+from redisq.errors import InvalidConfig, UnsupportedServer
 
 log = logging.getLogger("redisq.connection")
 
@@ -71,10 +72,31 @@ def resolve_url(url: str | None) -> tuple[str, bool]:
     return embedded_url(), True
 
 
+_RETRY_OPTIONS = ("retry", "retry_on_error", "retry_on_timeout", "cluster_error_retry_attempts")
+
+
+def no_retries() -> redis.retry.Retry:
+    """redis-py's automatic retry disabled: after a connection error it would send a command
+    again blindly, and a script that ran without its reply reaching us (an append, a read that
+    moved entries into a consumer's pending list) must not run twice unseen. redisq retries
+    itself, where it is safe and with the recovery each call needs."""
+    return redis.retry.Retry(NoBackoff(), 0)
+
+
 def open_client(url: str, **options: Any) -> Any:
     """A redis-py client for url: RedisCluster when the scheme says so or the server runs in
-    cluster mode, else Redis. Responses stay bytes (values are binary)."""
+    cluster mode, else Redis. Responses stay bytes (values are binary). redis-py's automatic
+    retries are off (see no_retries)."""
+    refused = [name for name in _RETRY_OPTIONS if options.get(name)]
+    if refused:
+        raise InvalidConfig(
+            f"{', '.join(refused)}: redisq turns redis-py's automatic retries off and retries "
+            "itself (a blind retry can run a script twice unseen)"
+        )
     options.setdefault("decode_responses", False)
+    for name in _RETRY_OPTIONS:
+        options.pop(name, None)
+    options["retry"] = no_retries()
     scheme = url.split("://", 1)[0].lower()
     if scheme in _SENTINEL_SCHEMES:
         return open_sentinel_client(url, **options)

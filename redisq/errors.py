@@ -95,6 +95,14 @@ class OutOfOrderSequence(RedisqError):
         self.expected = expected
 
 
+class UnknownProducer(RedisqError):
+    """A named producer's epoch is not stored on the partition it wrote to (the state expired,
+    the partition was added later, or Redis lost it): nothing was written. Handled inside the
+    producer, which proves its epoch against its name's registration and stores it there."""
+
+    retriable = True
+
+
 class ProducerClosed(RedisqError):
     """send() after close(), or a message still buffered when the producer was closed."""
 
@@ -148,6 +156,8 @@ def from_reply(message: str, topic: str = "?") -> RedisqError | None:
     if message.startswith("OUT_OF_ORDER"):
         match = _OUT_OF_ORDER.search(message)
         return OutOfOrderSequence(int(match.group(1)) if match else -1)
+    if message.startswith("UNKNOWN_PRODUCER"):
+        return UnknownProducer(message.removeprefix("UNKNOWN_PRODUCER").strip())
     if message.startswith("PRODUCER_FENCED"):
         return ProducerFenced(message.removeprefix("PRODUCER_FENCED").strip())
     if message.startswith("TOPIC_NOT_FOUND"):

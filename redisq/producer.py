@@ -1,13 +1,13 @@
-"""The producer: batching, ordering and idempotence on top of the produce_* Lua scripts.
+"""The producer (thread driver): the public API, a sender thread, and the producer's identity.
 
-Messages are collected per partition into batches. A batch is sealed (given its base sequence
-and frozen) when it is full, when its linger time has passed, or on flush/send. A background
-sender thread sends every partition's first `max_in_flight` unacknowledged batches in one
-pipeline per round, so several batches per partition are in flight at once, in order on one
-connection. Anything not acknowledged (connection error, timeout, OUT_OF_ORDER after a lost
-batch, NOSCRIPT after a restart) is sent again, the very same batch with the same sequences,
-until it is acknowledged or delivery_timeout_ms runs out. The broker-side window turns a
-re-sent batch that had been written into a duplicate answer carrying its original offsets.
+Batching, sequencing and retry decisions live in the I/O-free core (accumulator.py); this
+module feeds it (messages from the caller's thread, replies from the sender thread) and carries
+out its decisions with redis: a sender thread writes every partition's first `max_in_flight`
+unacknowledged batches in one round per node and keeps two rounds on the wire. Anything not
+acknowledged (connection error, timeout, OUT_OF_ORDER after a lost batch, NOSCRIPT after a
+restart) is sent again, the very same batch with the same sequences, until it is acknowledged
+or delivery_timeout_ms runs out; the broker-side window answers a re-sent batch that had been
+written as a duplicate carrying its original offsets.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis
 
 from redisq import errors
+from redisq.accumulator import Batch, CoreSettings, ProducerCore
 from redisq.errors import (
-    DeliveryTimeout,
     InvalidConfig,
     MessageTooLarge,
     NotEnoughReplicas,
@@ -36,34 +35,23 @@ from redisq.errors import (
     check_number,
 )
 from redisq.keys import validate_name
+from redisq.msgid import MessageIdGenerator
 from redisq.partitioner import Selector, StickyPartitioner, partition_for_key
-from redisq.records import RecordMetadata, encode_headers, offset_at
-from redisq.transport import Redirect, Transport, bulk, command
+from redisq.protocol import produce as protocol
+from redisq.protocol.produce import LAYOUTS, ProducerIdentity, encode_message
+from redisq.protocol.resp import command
+from redisq.records import RecordMetadata, encode_headers
+from redisq.topic import TopicConfig
+from redisq.transport import Redirect, Transport
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker, TopicConfig
-    from redisq.snowflake import SnowflakeGenerator
+    from redisq.broker import Broker
 
 log = logging.getLogger("redisq.producer")
 
-IDEMPOTENCE_MODES = ("sequence", "message_id", None)
+IDEMPOTENCE_MODES = protocol.MODES
 ACKS = ("leader", "replicas", "fsync")
-REGISTRY_TTL_MS = 7 * 24 * 3600 * 1000
-
-# Error replies after which the script did not run (or ran with no effect): send again.
-_RETRIABLE_REPLIES = (
-    "NOSCRIPT",
-    "OOM",
-    "BUSY",
-    "LOADING",
-    "READONLY",
-    "MASTERDOWN",
-    "TRYAGAIN",
-    "CLUSTERDOWN",
-    "NOREPLICAS",
-    "MOVED",
-    "ASK",
-)
+_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 def _as_bytes(what: str, value: object) -> bytes:
@@ -76,76 +64,25 @@ def _as_bytes(what: str, value: object) -> bytes:
     raise TypeError(f"{what} must be bytes or str, not {type(value).__name__}")
 
 
-class _Batch:
-    """Messages for one partition. Frozen once sealed: a retry re-sends exactly these."""
+class _Waiter:
+    """The thread driver's completion signal of one batch."""
 
-    __slots__ = (
-        "config",
-        "topic",
-        "partition",
-        "layout",
-        "args",
-        "count",
-        "nbytes",
-        "base_seq",
-        "created",
-        "sealed",
-        "done",
-        "first_id",
-        "ids",
-        "dup_flags",
-        "duplicate",
-        "error",
-        "callbacks",
-        "in_flight",
-        "body",
-        "body_count",
-        "span",
-    )
+    __slots__ = ("event", "callbacks")
 
-    def __init__(self, config: TopicConfig, partition: int, layout: str) -> None:
-        self.config = config  # the metadata it was routed with: retention, partition count
-        self.topic = config.name
-        self.partition = partition
-        self.layout = layout
-        self.args: list[bytes] = []
-        self.count = 0
-        self.nbytes = 0
-        self.base_seq = -1
-        self.created = time.monotonic()
-        self.sealed = False
-        self.done = threading.Event()
-        self.first_id: str | None = None
-        self.ids: list[str] | None = None
-        self.dup_flags: str | None = None
-        self.duplicate = False
-        self.error: BaseException | None = None
+    def __init__(self) -> None:
+        self.event = threading.Event()
         self.callbacks: list[tuple[int, Callable[[SendFuture], None]]] | None = None
-        self.in_flight = False
-        self.body: bytes | None = None
-        self.body_count = 0
-        self.span = 0
 
-    def metadata(self, index: int) -> RecordMetadata:
-        flags = self.dup_flags
-        if flags is not None:  # message_id mode: appended ones are consecutive from first_id
-            if flags[index] == "1":
-                original = self.ids[flags.count("1", 0, index)] if self.ids else None
-                return RecordMetadata(self.topic, self.partition, original, True)
-            appended_before = index - flags.count("1", 0, index)
-            offset = offset_at(self.first_id, appended_before) if self.first_id else None
-            return RecordMetadata(self.topic, self.partition, offset, False)
-        offset = offset_at(self.first_id, index) if self.first_id else None
-        return RecordMetadata(self.topic, self.partition, offset, self.duplicate)
 
-    def finish(self) -> None:
-        self.done.set()
-        if self.callbacks:
-            for index, callback in self.callbacks:
-                try:
-                    callback(SendFuture(self, index))
-                except Exception:  # a user's callback must not stop the sender
-                    log.exception("send callback raised")
+def _finished(batch: Batch) -> None:
+    waiter: _Waiter = batch.waiter
+    waiter.event.set()
+    if waiter.callbacks:
+        for index, callback in waiter.callbacks:
+            try:
+                callback(SendFuture(batch, index))
+            except Exception:  # a user's callback must not stop the sender
+                log.exception("send callback raised")
 
 
 class SendFuture:
@@ -153,56 +90,49 @@ class SendFuture:
 
     __slots__ = ("_batch", "_index")
 
-    def __init__(self, batch: _Batch, index: int) -> None:
+    def __init__(self, batch: Batch, index: int) -> None:
         self._batch = batch
         self._index = index
 
     def done(self) -> bool:
-        return self._batch.done.is_set()
+        return bool(self._batch.waiter.event.is_set())
 
     def result(self, timeout: float | None = None) -> RecordMetadata:
-        if not self._batch.done.wait(timeout):
+        if not self._batch.waiter.event.wait(timeout):
             raise TimeoutError(f"no acknowledgement within {timeout} s")
         if self._batch.error is not None:
             raise self._batch.error
         return self._batch.metadata(self._index)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._batch.done.wait(timeout):
+        if not self._batch.waiter.event.wait(timeout):
             raise TimeoutError(f"no acknowledgement within {timeout} s")
         return self._batch.error
 
     def add_done_callback(self, callback: Callable[[SendFuture], None]) -> None:
-        batch = self._batch
-        if batch.done.is_set():
+        waiter: _Waiter = self._batch.waiter
+        if waiter.event.is_set():
             callback(self)
             return
-        if batch.callbacks is None:
-            batch.callbacks = []
-        batch.callbacks.append((self._index, callback))
-
-
-@dataclass
-class _PartitionState:
-    """Producer-side sequence bookkeeping of one partition."""
-
-    next_seq: int = 0  # base sequence of the next sealed batch
-    acked_next: int = 0  # the sequence after the last acknowledged batch
-    open: _Batch | None = None
-    unacked: deque[_Batch] = field(default_factory=deque)
+        if waiter.callbacks is None:
+            waiter.callbacks = []
+        waiter.callbacks.append((self._index, callback))
 
 
 class Producer:
-    """Sends messages to topics; see DESIGN §3.
+    """Sends messages to topics (DESIGN §3). Create it with `broker.producer(...)`.
 
     idempotence:
-      "sequence"   (default) PID + per-partition sequence numbers checked by the broker; a re-sent
-                   batch is never written twice; named producers fence older instances.
-      "message_id" every message carries an id (yours, or a generated Snowflake id); the broker
-                   writes an id once per dedup window; the id routes the message when it has no key.
+      "sequence"   (default) producer id + per-partition sequence numbers checked by the
+                   broker; a re-sent batch is never written twice; named producers fence older
+                   instances.
+      "message_id" every message carries an id (yours, or a generated one); the broker writes an
+                   id once per dedup window; the id routes the message when it has no key.
       None         plain appends: a retry after a lost reply may write a message twice.
     acks: "leader" (the script returned), "replicas" (WAIT min_replicas after the write, on the
       same connection), "fsync" (WAITAOF 1 0: the leader's AOF is fsynced; Redis >= 7.2).
+    metadata_max_age_ms: topic metadata (partition count, retention) is read again this often,
+      so added partitions are used within it.
     """
 
     def __init__(
@@ -224,6 +154,7 @@ class Producer:
         max_block_ms: int = 60_000,
         min_replicas: int = 1,
         ack_timeout_ms: int = 1_000,
+        metadata_max_age_ms: int = 5_000,
         partitioner: Selector | None = None,
     ) -> None:
         if idempotence not in IDEMPOTENCE_MODES:
@@ -241,8 +172,10 @@ class Producer:
         check_number("delivery_timeout_ms", delivery_timeout_ms, 100, 24 * 3600 * 1000)
         check_number("retry_backoff_ms", retry_backoff_ms, 1, 60_000)
         check_number("max_buffered_messages", max_buffered_messages, 1, 100_000_000)
+        check_number("max_block_ms", max_block_ms, 0, 3_600_000)
         check_number("min_replicas", min_replicas, 1, 100)
         check_number("ack_timeout_ms", ack_timeout_ms, 0, 3_600_000)
+        check_number("metadata_max_age_ms", metadata_max_age_ms, 100, 3_600_000)
         if idempotence == "sequence" and window < max_in_flight:
             raise InvalidConfig(
                 f"window={window} must be >= max_in_flight={max_in_flight}: a re-sent batch must "
@@ -255,18 +188,6 @@ class Producer:
         self.name = name
         self.idempotence = idempotence
         self.acks = acks
-        self.linger_s = linger_ms / 1000
-        self.max_batch_messages = max_batch_messages
-        self.max_batch_bytes = max_batch_bytes
-        # Without idempotence the broker detects no gap: one batch in flight per partition keeps
-        # the order when a batch fails and a later one would have succeeded.
-        self.max_in_flight = max_in_flight if idempotence else 1
-        # After a lost connection, one batch in flight per partition until one is acknowledged:
-        # rounds that cannot complete between two disconnections would otherwise be re-sent in
-        # vain until the delivery timeout (message_id re-sends cost as much as the first send).
-        self._cautious = False
-        # Sequence numbers count messages; in message_id mode they count batches.
-        self._per_message_seq = idempotence == "sequence"
         self.window = window
         self.max_message_bytes = max_message_bytes
         self.delivery_timeout_s = delivery_timeout_ms / 1000
@@ -275,6 +196,7 @@ class Producer:
         self.max_block_s = max_block_ms / 1000
         self.min_replicas = min_replicas
         self.ack_timeout_ms = ack_timeout_ms
+        self._metadata_max_age_s = metadata_max_age_ms / 1000
         self._selector = partitioner
         self._sticky = StickyPartitioner()
 
@@ -282,27 +204,35 @@ class Producer:
         self._scripts = broker.scripts
         self._client = broker.client
         self._cond = threading.Condition(threading.Lock())
-        self._partitions: dict[tuple[str, int], _PartitionState] = {}
-        self._topics: dict[str, TopicConfig] = {}
+        self._core = ProducerCore(
+            CoreSettings(
+                mode=idempotence,
+                max_batch_messages=max_batch_messages,
+                max_batch_bytes=max_batch_bytes,
+                max_in_flight=max_in_flight,
+                linger_s=linger_ms / 1000,
+                delivery_timeout_s=self.delivery_timeout_s,
+            ),
+            on_finished=_finished,
+            on_sealed=self._sealed,
+        )
+        self._topics: dict[str, tuple[float, TopicConfig]] = {}
         self._registered_topics: set[str] = set()
-        self._buffered = 0
-        self._flush_requested = False
-        self._closing = False
         self._closed = False
-        self._fatal: BaseException | None = None
-        self._needs_new_identity = False
 
         self._check_acks_supported()
-        self.producer_id = 0
-        self.epoch = 0
-        self._init_identity()
-        self._ids: SnowflakeGenerator | None = None
-        if idempotence == "message_id":
-            from redisq.snowflake import SnowflakeGenerator
-
-            self._ids = SnowflakeGenerator(self._client, self._keys, self._scripts)
+        self.identity = self._new_identity()
+        self._ids = MessageIdGenerator() if idempotence == "message_id" else None
         self._sender = threading.Thread(target=self._run, name="redisq-sender", daemon=True)
         self._sender.start()
+
+    @property
+    def producer_id(self) -> int:
+        return self.identity.producer_id
+
+    @property
+    def epoch(self) -> int:
+        return self.identity.epoch
 
     def __repr__(self) -> str:
         return (
@@ -318,7 +248,11 @@ class Producer:
 
     # -- identity and fencing ------------------------------------------------------------------
     def _check_acks_supported(self) -> None:
-        if self.acks == "fsync" and not self.broker.is_cluster:
+        if self.acks == "fsync" and self.broker.is_cluster:
+            raise UnsupportedServer(
+                'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
+            )
+        if self.acks == "fsync":
             try:  # returns at once (nothing to wait for); an unknown command on Redis < 7.2
                 self._client.execute_command("WAITAOF", 0, 0, 0)
             except redis.ResponseError as exc:
@@ -329,73 +263,116 @@ class Producer:
             if not int(self._client.info("persistence").get("aof_enabled", 0)):
                 # WAITAOF 1 would fail on every batch until the delivery timeout.
                 raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
-        if self.acks == "fsync" and self.broker.is_cluster:
-            raise UnsupportedServer(
-                'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
-            )
 
-    def _init_identity(self) -> None:
-        """PID (and epoch) from Redis; a named producer fences its older instances now."""
+    def _server_ms(self) -> int:
+        seconds, micros = self._client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def _new_identity(self, held: ProducerIdentity | None = None) -> ProducerIdentity:
+        """A new epoch (and, for a new anonymous producer, a new random id). A named producer
+        fences its older instances on every partition of the topics its name wrote to; a
+        renewal (held) is refused with ProducerFenced if a newer instance took the name."""
         if self.name is None:
-            self.producer_id = int(self._client.incr(self._keys.producer_id_counter()))
-            self.epoch = 0
-            return
-        reply = self._scripts.call(
-            "init_producer",
-            [
-                self._keys.named_producer(self.name),
-                self._keys.producer_id_counter(),
-                self._keys.named_producer_topics(self.name),
-            ],
-            [REGISTRY_TTL_MS],
+            pid = held.producer_id if held else protocol.random_producer_id()
+            epoch = max(held.epoch + 1 if held else 0, self._server_ms())
+            return ProducerIdentity(pid, epoch)
+        epoch, topics = self._scripts.run(
+            protocol.init_named_producer(self._keys, self.name, held.epoch if held else None)
         )
-        self.producer_id, self.epoch = int(reply[0]), int(reply[1])
-        topics = [t.decode() for t in reply[2:]]
-        if self.idempotence == "sequence":
-            self._fence_topics(topics)
-        log.info("producer %s: pid %d epoch %d", self.name, self.producer_id, self.epoch)
+        identity = ProducerIdentity(protocol.named_producer_id(self.name), epoch, self.name)
+        if self.idempotence is not None:
+            self._fence_topics(identity, topics)
+        log.info("producer %s: pid %d epoch %d", self.name, identity.producer_id, epoch)
+        return identity
 
-    def _fence_topics(self, topics: list[str]) -> None:
-        """Raise the stored epoch on every partition of topics an older instance wrote to."""
+    def _fence_topics(self, identity: ProducerIdentity, topics: list[str]) -> None:
+        """Store the epoch on every partition of topics an older instance may write to."""
         for topic in topics:
             try:
                 config = self.broker.topic_config(topic, refresh=True)
             except errors.TopicNotFound:
                 continue
             for p in range(config.partitions):
-                self._scripts.call(
-                    "fence_producer",
-                    [self._keys.producer_state(topic, p, self.producer_id)],
-                    [self.epoch, config.state_ttl_ms],
-                    topic=topic,
-                )
+                self._scripts.run(protocol.fence_partition(self._keys, identity, config, p))
 
-    def _topic(self, topic: str) -> TopicConfig:
-        config = self._topics.get(topic)
-        if config is None:
-            config = self.broker.topic_config(topic)
-            if self.name is not None and self.idempotence == "sequence":
-                self._register_topic(topic)
-            self._topics[topic] = config
+    def _renew_identity(self) -> bool:
+        """After batches of unknown outcome failed: a new epoch, fenced on every partition where
+        a failed batch went on the wire, so none of them can land after what comes next. False
+        while the server cannot be reached (the sender keeps trying, sending nothing else)."""
+        with self._cond:
+            abandoned = sorted(self._core.abandoned)
+        try:
+            identity = self._new_identity(self.identity)
+            if self.name is None:
+                for topic, p in abandoned:
+                    config = self._topic_config(topic)
+                    self._scripts.run(protocol.fence_partition(self._keys, identity, config, p))
+        except _NETWORK_ERRORS as exc:
+            log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
+            with self._cond:
+                self._core.last_error = exc
+            return False
+        except Exception as exc:
+            with self._cond:
+                self._core.fail_all(exc, fatal=True)
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            self.identity = identity
+            self._core.identity_renewed()
+            self._cond.notify_all()
+        log.warning(
+            "producer %s: new epoch %d after failed batches (fenced %d partitions)",
+            self.name or self.producer_id,
+            identity.epoch,
+            len(abandoned),
+        )
+        return True
+
+    def _fence_partitions(self) -> bool:
+        """UNKNOWN_PRODUCER: prove the epoch against the name's registration, then store it on
+        the partition, before anything is sent there again."""
+        with self._cond:
+            needed = sorted(self._core.fences_needed)
+        try:
+            for topic, p in needed:
+                config = self._topic_config(topic)
+                self._scripts.run(protocol.register_topic(self._keys, self.identity, topic))
+                self._scripts.run(protocol.fence_partition(self._keys, self.identity, config, p))
+                with self._cond:
+                    self._core.partition_fenced((topic, p))
+        except _NETWORK_ERRORS as exc:
+            log.warning("cannot fence yet: %s", type(exc).__name__)
+            return False
+        except Exception as exc:  # ProducerFenced: a newer instance has the name
+            with self._cond:
+                self._core.fail_all(exc, fatal=True)
+                self._cond.notify_all()
+            return False
+        return True
+
+    # -- topic metadata --------------------------------------------------------------------------
+    def _topic_config(self, topic: str) -> TopicConfig:
+        """The topic's metadata, read again after metadata_max_age_ms (added partitions)."""
+        cached = self._topics.get(topic)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < self._metadata_max_age_s:
+            return cached[1]
+        config = self.broker.topic_config(topic, refresh=True)
+        if self.name is not None and self.idempotence is not None:
+            # First write to the topic, and then at every refresh: proves the epoch (a fenced
+            # instance learns it here even while it writes nowhere) and keeps the name's
+            # registration alive.
+            try:
+                self._scripts.run(protocol.register_topic(self._keys, self.identity, topic))
+            except ProducerFenced as exc:
+                with self._cond:
+                    self._core.fail_all(exc, fatal=True)
+                raise
+        self._topics[topic] = (now, config)
         return config
 
-    def _register_topic(self, topic: str) -> None:
-        if topic in self._registered_topics:
-            return
-        name = self.name or ""
-        try:
-            self._scripts.call(
-                "register_producer_topic",
-                [self._keys.named_producer(name), self._keys.named_producer_topics(name)],
-                [self.epoch, topic, REGISTRY_TTL_MS],
-                topic=topic,
-            )
-        except ProducerFenced as exc:
-            self._fatal = exc
-            raise
-        self._registered_topics.add(topic)
-
-    # -- sending -------------------------------------------------------------------------------
+    # -- sending ---------------------------------------------------------------------------------
     def send_async(
         self,
         topic: str,
@@ -412,8 +389,9 @@ class Producer:
         """
         # This is the hot path: the common case (bytes value and key, no headers) is kept to a
         # handful of type checks, one CRC-32 and one locked append.
-        if self._fatal is not None or self._closing:
-            raise self._fatal or ProducerClosed("send after close()")
+        core = self._core
+        if core.fatal is not None or core.closing:
+            raise core.fatal or ProducerClosed("send after close()")
         if type(value) is not bytes:
             value = _as_bytes("value", value)
         size = len(value)
@@ -428,7 +406,11 @@ class Producer:
             size += len(headers_b)
         if size > self.max_message_bytes:
             raise MessageTooLarge(size, self.max_message_bytes)
-        config = self._topics.get(topic) or self._topic(topic)
+        cached = self._topics.get(topic)
+        if cached is None or time.monotonic() - cached[0] >= self._metadata_max_age_s:
+            config = self._topic_config(topic)
+        else:
+            config = cached[1]
         partitions = config.partitions
 
         mid: bytes | None = None
@@ -440,7 +422,7 @@ class Producer:
             if not mid:
                 raise ValueError("message_id must not be empty")
         elif self._ids is not None:
-            mid = b"%d" % self._ids.next_id()
+            mid = self._ids.next_id()
 
         if partition is not None:
             partition = self.broker.check_partition(topic, partition)
@@ -455,46 +437,29 @@ class Producer:
         else:
             partition = self._sticky.partition(topic, partitions)
 
-        layout = _LAYOUTS[key is not None, headers_b is not None, mid is not None]
+        layout = LAYOUTS[key is not None, headers_b is not None, mid is not None]
+        parts = encode_message(key, value, headers_b, mid)  # encoded once: the sender joins them
 
         with self._cond:
-            if self._buffered >= self.max_buffered_messages:
+            if core.buffered >= self.max_buffered_messages:
                 self._wait_for_buffer_space()
-            state = self._partitions.get((topic, partition))
-            if state is None:
-                state = self._partitions[(topic, partition)] = _PartitionState()
-            batch = state.open
-            if batch is not None and (
-                batch.layout != layout
-                or batch.count >= self.max_batch_messages
-                or batch.nbytes + size > self.max_batch_bytes
-            ):
-                self._seal(state)
-                batch = None
-            if batch is None:
-                batch = state.open = _Batch(config, partition, layout)
-                self._cond.notify()  # start the linger clock
-            # Encoded once, here, as RESP bulk strings: the sender only joins them.
-            args = batch.args
-            if key is not None:
-                args += (_bulk_header(len(key)), key, b"\r\n")
-            args += (_bulk_header(len(value)), value, b"\r\n")
-            if headers_b:
-                args += (_bulk_header(len(headers_b)), headers_b, b"\r\n")
-            if mid is not None:
-                args += (_bulk_header(len(mid)), mid, b"\r\n")
-            index = batch.count
-            batch.count = index + 1
-            batch.nbytes += size
-            self._buffered += 1
-            if index + 1 >= self.max_batch_messages:
-                self._seal(state)
+            batch, index, opened = core.append(
+                config, partition, layout, parts, size, time.monotonic()
+            )
+            if batch.waiter is None:
+                batch.waiter = _Waiter()
+            if opened or batch.sealed:
+                self._cond.notify()  # start the linger clock, or send a full batch
         return SendFuture(batch, index)
+
+    def _sealed(self, batch: Batch) -> None:
+        self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
 
     def _wait_for_buffer_space(self) -> None:
         """Block (lock held) while max_buffered_messages are waiting, up to max_block_ms."""
+        core = self._core
         deadline = time.monotonic() + self.max_block_s
-        while self._buffered >= self.max_buffered_messages and self._fatal is None:
+        while core.buffered >= self.max_buffered_messages and core.fatal is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.RedisqError(
@@ -502,8 +467,8 @@ class Producer:
                     f"max_block_ms={int(self.max_block_s * 1000)}"
                 )
             self._cond.wait(remaining)
-        if self._fatal is not None:
-            raise self._fatal
+        if core.fatal is not None:
+            raise core.fatal
 
     def send(
         self,
@@ -518,147 +483,104 @@ class Producer:
         """Send one message and block until it is acknowledged (no linger)."""
         future = self.send_async(topic, value, key, headers, message_id, partition)
         with self._cond:
-            state = self._partitions[(topic, future._batch.partition)]
-            if state.open is future._batch:
-                self._seal(state)
+            self._core.seal_batch(future._batch)
+            self._cond.notify_all()
         return future.result(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered now and wait until all of it is acknowledged or failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        core = self._core
         with self._cond:
-            self._flush_requested = True
+            core.flush_requested = True
             self._cond.notify_all()
-            while self._buffered > 0 and self._sender.is_alive():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"flush: {self._buffered} messages still unacknowledged")
-                self._cond.wait(remaining if remaining is not None else 0.5)
-            self._flush_requested = False
+            try:
+                while core.buffered > 0 and self._sender.is_alive():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"flush: {core.buffered} messages still unacknowledged")
+                    self._cond.wait(remaining if remaining is not None else 0.5)
+            finally:
+                core.flush_requested = False
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, stop the sender thread and release the Snowflake worker id."""
+        """Flush, then stop the sender thread."""
         if self._closed:
             return
         try:
-            if self._fatal is None:
+            if self._core.fatal is None:
                 self.flush(timeout)
         finally:
             with self._cond:
-                self._closing = True
+                self._core.closing = True
                 self._cond.notify_all()
             self._sender.join(timeout=5)
-            if self._ids is not None:
-                self._ids.close()
             self._closed = True
 
     # -- the sender thread ---------------------------------------------------------------------
-    def _seal(self, state: _PartitionState) -> None:
-        """Freeze the open batch and give it its base sequence (lock held)."""
-        batch = state.open
-        if batch is None:
-            return
-        state.open = None
-        batch.sealed = True
-        batch.base_seq = state.next_seq
-        batch.span = batch.count if self._per_message_seq else 1
-        state.next_seq += batch.span
-        state.unacked.append(batch)
-        self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
-        self._cond.notify_all()
-
-    def _seal_due(self, now: float) -> float | None:
-        """Seal open batches whose linger ran out (or all, on flush); return the next deadline."""
-        next_deadline = None
-        for state in self._partitions.values():
-            batch = state.open
-            if batch is None:
-                continue
-            due = batch.created + self.linger_s
-            if self._flush_requested or self._closing or due <= now:
-                self._seal(state)
-            elif next_deadline is None or due < next_deadline:
-                next_deadline = due
-        return next_deadline
-
-    def _pick_work(self) -> list[_Batch]:
-        """The batches to write now (lock held): per partition, the unacknowledged batches after
-        the ones already in flight, up to max_in_flight. A partition whose in-flight batches
-        follow one that must be re-sent waits until they come back (they will be refused as
-        OUT_OF_ORDER and re-sent after it, in order)."""
-        work: list[_Batch] = []
-        if self._needs_new_identity:
-            return work
-        for state in self._partitions.values():
-            in_flight = 0
-            seen_idle = False
-            pending: list[_Batch] = []
-            for batch in state.unacked:
-                if batch.in_flight:
-                    if seen_idle:
-                        pending = []
-                        break
-                    in_flight += 1
-                else:
-                    seen_idle = True
-                    if in_flight + len(pending) < (1 if self._cautious else self.max_in_flight):
-                        pending.append(batch)
-                    elif not in_flight:
-                        break
-            for batch in pending:
-                batch.in_flight = True
-            work += pending
-        return work
-
     def _run(self) -> None:
-        transport = Transport(self._client)
+        core = self._core
+        transport = Transport(self._client, socket_timeout_s=min(30.0, self.delivery_timeout_s))
         outstanding: deque[_Round] = deque()
         backoff = self.retry_backoff_s
         try:
             while True:
-                if self._needs_new_identity and not outstanding and not self._renew_identity():
-                    time.sleep(backoff * (0.5 + random.random()))
-                    backoff = min(backoff * 2, 1.0)
+                if core.fatal is not None:
+                    return  # fenced: every batch has failed with the error
+                if not outstanding and (core.needs_new_identity or core.fences_needed):
+                    renewed = (
+                        self._renew_identity()
+                        if core.needs_new_identity
+                        else self._fence_partitions()
+                    )
+                    if not renewed and core.fatal is None:
+                        with self._cond:
+                            core.expire(time.monotonic())
+                            self._cond.notify_all()
+                        time.sleep(backoff * (0.5 + random.random()))
+                        backoff = min(backoff * 2, 1.0)
                     continue
+                if core.reload_scripts:
+                    self._reload_scripts()
                 with self._cond:
                     while True:
-                        next_deadline = self._seal_due(time.monotonic())
-                        work = self._pick_work() if len(outstanding) < 2 else []
+                        next_deadline = core.seal_due(time.monotonic())
+                        work = core.pick_work() if len(outstanding) < 2 else []
                         if work or outstanding:
                             break
-                        if self._closing:
+                        if core.closing or (core.fatal is not None and core.buffered == 0):
                             return
+                        if core.needs_new_identity or core.fences_needed:
+                            break
                         timeout = 1.0 if next_deadline is None else next_deadline - time.monotonic()
                         self._cond.wait(max(0.0, timeout))
+                    deadline = core.oldest_deadline()
+                if not work and not outstanding:
+                    continue
                 try:
                     if work:
                         outstanding.append(self._submit(transport, work))
                     if outstanding and (len(outstanding) >= 2 or not work):
                         # The round leaves `outstanding` only once read: if reading fails,
                         # the handler below puts its batches back.
-                        progress, retry = self._collect(transport, outstanding[0])
+                        progress, retry = self._collect(transport, outstanding[0], deadline)
                         outstanding.popleft()
                         if retry and not progress:
                             time.sleep(backoff * (0.5 + random.random()))
                             backoff = min(backoff * 2, 1.0)
                         elif progress:
                             backoff = self.retry_backoff_s
-                            self._cautious = False
-                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                except _NETWORK_ERRORS as exc:
                     # Replies in flight are lost: every batch on the wire goes again (the window
-                    # answers the ones that were written as duplicates, with their offsets).
-                    log.warning(
-                        "connection lost (%s); re-sending in-flight batches", type(exc).__name__
-                    )
+                    # answers the ones that were written as duplicates, with their offsets), or
+                    # fails once its delivery timeout has passed.
+                    log.warning("connection lost (%s); re-sending in-flight batches", exc)
                     transport.reset()
                     with self._cond:
-                        self._cautious = True
                         for round_ in outstanding:
-                            round_.release()
-                        for batch in work:
-                            batch.in_flight = False
+                            core.connection_lost(round_.batches(), exc)
                         outstanding.clear()
-                        self._expire_or_fail(exc)
+                        core.expire(time.monotonic())
                         self._cond.notify_all()
                     time.sleep(backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, 1.0)
@@ -667,41 +589,42 @@ class Producer:
                     transport.reset()
                     with self._cond:
                         for round_ in outstanding:
-                            round_.release()
-                        for batch in work:
-                            batch.in_flight = False
+                            core.connection_lost(round_.batches(), exc)
                         outstanding.clear()
-                        self._fail_all(errors.RedisqError(f"sender failed: {exc!r}"))
+                        core.fail_unknown(errors.RedisqError(f"sender failed: {exc!r}"), None)
                         self._cond.notify_all()
         finally:
             transport.close()
 
-    def _renew_identity(self) -> bool:
-        """After failed batches of unknown outcome: a new PID (or epoch), so that no later batch
-        can be taken for one of them. False if the server could not be reached."""
+    def _reload_scripts(self) -> None:
+        """NOSCRIPT (a restarted or flushed server): load the produce script again."""
+        name = {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
+            self.idempotence or "", "produce"
+        )
         try:
-            self._init_identity()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            log.warning("cannot take a new producer id yet: %s", type(exc).__name__)
-            with self._cond:
-                self._expire_or_fail(exc)
-            return False
-        except Exception as exc:
-            with self._cond:
-                self._fail_all(exc, fatal=True)
-                self._cond.notify_all()
-            return False
-        self._needs_new_identity = False
-        log.warning("producer reset: now pid %d epoch %d", self.producer_id, self.epoch)
-        return True
+            self._scripts.load(name)
+            self._scripts.load("fence_producer")
+            self._core.reload_scripts = False
+        except _NETWORK_ERRORS as exc:
+            log.warning("cannot load scripts yet: %s", type(exc).__name__)
 
-    def _submit(self, transport: Transport, work: list[_Batch]) -> _Round:
+    def _submit(self, transport: Transport, work: list[Batch]) -> _Round:
         """Encode and write one round: per node, the batches' EVALSHA commands (behind ASKING
         after an ASK redirection), then WAIT/WAITAOF for acks="replicas"/"fsync"."""
         round_ = _Round()
         payloads: dict[str, list[bytes]] = {}
+        core = self._core
         for batch in work:
-            key = self._keys.log(batch.topic, batch.partition)
+            call = protocol.produce(
+                self._keys,
+                self.idempotence,
+                self.identity,
+                batch.config,
+                batch,
+                acked_next=core.acked_next(batch),
+                window=self.window,
+            )
+            key = call.keys[0]
             node = transport.node_for(key)
             parts = payloads.setdefault(node, [])
             entries = round_.nodes.setdefault(node, [])
@@ -709,8 +632,8 @@ class Producer:
                 transport.forget_asking(key)
                 parts.append(command(b"ASKING", ()))
                 entries.append(None)
-            parts.append(self._batch_command(batch, key))
-            entries.append(batch)
+            parts.append(self._scripts.pack(call))
+            entries.append((batch, call.decode))
         for node, parts in payloads.items():
             if self.acks == "replicas":
                 parts.append(command(b"WAIT", (self.min_replicas, self.ack_timeout_ms)))
@@ -720,109 +643,51 @@ class Producer:
             round_.sent.append(node)
         return round_
 
-    def _batch_command(self, batch: _Batch, log_key: str) -> bytes:
-        topic, p = batch.topic, batch.partition
-        config = batch.config
-        if batch.body is None:  # encoded once: a retry writes exactly the same messages
-            body = batch.args
-            batch.body_count = batch.count * len(batch.layout)
-            if self.idempotence == "sequence":
-                body = body + [
-                    bulk(b"%d" % s) for s in range(batch.base_seq, batch.base_seq + batch.count)
-                ]
-                batch.body_count += batch.count
-            batch.body = b"".join(body)
-        if self.idempotence == "sequence":
-            state = self._partitions[(topic, p)]
-            script = self._scripts["produce_sequence"]
-            keys: list[Any] = [log_key, self._keys.producer_state(topic, p, self.producer_id)]
-            head: list[Any] = [
-                self.producer_id,
-                self.epoch,
-                batch.base_seq,
-                batch.count,
-                state.acked_next,
-                self.window,
-                config.state_ttl_ms,
-                config.retention_messages,
-                config.retention_ms,
-                batch.layout,
-            ]
-        elif self.idempotence == "message_id":
-            window = config.dedup_window_ms
-            now_ms = int(time.time() * 1000)
-            bucket = now_ms // window
-            script = self._scripts["produce_message_id"]
-            keys = [
-                log_key,
-                self._keys.dedup_bucket(topic, p, bucket),
-                self._keys.dedup_bucket(topic, p, bucket - 1),
-                self._keys.producer_state(topic, p, self.producer_id),
-            ]
-            head = [
-                self.producer_id,
-                (bucket + 2) * window - now_ms + 1000,  # expiry of the current bucket
-                config.retention_messages,
-                config.retention_ms,
-                batch.layout,
-                batch.count,
-                batch.base_seq,  # the batch number, in this mode
-                self._partitions[(topic, p)].acked_next,
-                config.state_ttl_ms,
-            ]
-        else:
-            script = self._scripts["produce"]
-            keys = [log_key]
-            head = [
-                self.producer_id,
-                config.retention_messages,
-                config.retention_ms,
-                batch.layout,
-                batch.count,
-            ]
-        return command(
-            b"EVALSHA", [script.sha, len(keys), *keys, *head], [batch.body], batch.body_count
-        )
-
-    def _collect(self, transport: Transport, round_: _Round) -> tuple[bool, bool]:
-        """Read one round's replies and settle its batches; returns (progress, retry)."""
+    def _collect(
+        self, transport: Transport, round_: _Round, deadline: float | None
+    ) -> tuple[bool, bool]:
+        """Read one round's replies (waiting no later than deadline: the oldest batch's delivery
+        timeout) and settle its batches; returns (progress, retry)."""
+        core = self._core
         replies: dict[str, list[Any]] = {}
+        extra = 1 if self.acks != "leader" else 0
         for node in round_.sent:
-            extra = 1 if self.acks != "leader" else 0
-            replies[node] = transport.read(node, len(round_.nodes[node]) + extra)
+            replies[node] = transport.read(node, len(round_.nodes[node]) + extra, deadline)
         progress = retry = False
-        last_error: BaseException | None = None  # named in a DeliveryTimeout
         with self._cond:
             for node, entries in round_.nodes.items():
                 node_replies = replies[node]
-                durable_error = (
-                    self._durable_error(node_replies.pop()) if self.acks != "leader" else None
-                )
-                for batch, reply in zip(entries, node_replies, strict=True):
-                    if batch is None:  # the reply to ASKING
+                durable_error = self._durable_error(node_replies.pop()) if extra else None
+                for entry, reply in zip(entries, node_replies, strict=True):
+                    if entry is None:  # the reply to ASKING
                         continue
-                    batch.in_flight = False
-                    if batch.done.is_set():  # failed meanwhile (delivery timeout, fencing)
-                        continue
+                    batch, decode = entry
                     if isinstance(reply, Redirect):
                         if reply.kind == "ASK":
                             transport.note_ask(
                                 self._keys.log(batch.topic, batch.partition), reply.node
                             )
+                        core.redirected(batch)
                         retry = True
                     elif isinstance(reply, Exception):
-                        retry |= self._handle_error(batch, reply)
-                        last_error = reply
+                        mapped = (
+                            errors.from_reply(str(reply), batch.topic)
+                            if isinstance(reply, redis.ResponseError)
+                            else None
+                        )
+                        core.refused(batch, mapped or reply)
+                        retry = True
                     elif durable_error is not None:
-                        retry = True  # written, not yet durable: the retry is answered as DUP
+                        core.not_durable(batch, durable_error)
+                        batch.unknown = True  # stored on the primary, maybe not on a replica
+                        retry = True
                     else:
-                        self._complete(batch, reply)
+                        core.complete(batch, decode(reply))
                         progress = True
                 if durable_error is not None:
                     log.warning("acks=%s: %s", self.acks, durable_error)
-                    last_error = durable_error
             if retry:
-                self._expire_or_fail(last_error or errors.RedisqError("batches not acknowledged"))
+                core.expire(time.monotonic())
             self._cond.notify_all()
         return progress, retry
 
@@ -839,102 +704,6 @@ class Producer:
             )
         return None
 
-    def _complete(self, batch: _Batch, reply: Any) -> None:
-        """Record the broker's answer for a batch (lock held)."""
-        state = self._partitions[(batch.topic, batch.partition)]
-        if self.idempotence == "message_id":
-            batch.dup_flags = reply[0].decode()
-            batch.first_id = reply[1].decode() or None
-            batch.ids = [r.decode() for r in reply[2:]]  # original IDs of the duplicates
-        else:
-            batch.duplicate = reply[0] == b"DUP"
-            batch.first_id = reply[1].decode() if len(reply) > 1 else None
-        self._retire(state, batch)
-
-    def _retire(self, state: _PartitionState, batch: _Batch) -> None:
-        try:
-            state.unacked.remove(batch)
-        except ValueError:  # already failed by a reset
-            return
-        if batch.error is None and batch.base_seq + batch.span > state.acked_next:
-            state.acked_next = batch.base_seq + batch.span
-        self._buffered -= batch.count
-        batch.finish()
-
-    def _handle_error(self, batch: _Batch, exc: Exception) -> bool:
-        """Decide about a batch whose script call failed (lock held); True means retry."""
-        text = str(exc)
-        if isinstance(exc, redis.exceptions.NoScriptError) or text.startswith("NOSCRIPT"):
-            self._scripts.load(
-                {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
-                    self.idempotence or "", "produce"
-                )
-            )
-            return True
-        mapped = (
-            errors.from_reply(text, batch.topic) if isinstance(exc, redis.ResponseError) else None
-        )
-        if isinstance(mapped, errors.OutOfOrderSequence):
-            return True  # a batch before it is missing: the whole tail goes again, in order
-        if isinstance(mapped, ProducerFenced):
-            self._fail_all(mapped, fatal=True)
-            return False
-        if isinstance(mapped, errors.TopicNotFound):
-            # Checked before any write: nothing of this partition's tail was written, so its
-            # sequences can be handed out again.
-            self._topics.pop(batch.topic, None)
-            self.broker._topic_cache.pop(batch.topic, None)
-            state = self._partitions[(batch.topic, batch.partition)]
-            for failed in list(state.unacked):
-                failed.error = mapped
-                self._retire(state, failed)
-            state.next_seq = state.acked_next
-            return False
-        if text.startswith(_RETRIABLE_REPLIES):
-            return True
-        # Anything else leaves the outcome unknown: fail what is unacknowledged and start a new
-        # producer identity, so no later batch can be mistaken for one of these.
-        log.error("batch to %s[%d] failed: %s", batch.topic, batch.partition, text)
-        self._fail_all(
-            errors.RedisqError(f"write to {batch.topic}[{batch.partition}] failed: {text}")
-        )
-        return False
-
-    def _expire_or_fail(self, exc: BaseException) -> None:
-        """(Lock held.) Batches older than delivery_timeout_ms fail, and with them every
-        unacknowledged batch: their outcome is unknown, so the producer takes a new identity."""
-        now = time.monotonic()
-        for state in self._partitions.values():
-            if state.unacked and now - state.unacked[0].created > self.delivery_timeout_s:
-                self._fail_all(
-                    DeliveryTimeout(
-                        f"not acknowledged within {self.delivery_timeout_s:.0f} s "
-                        f"(last error: {type(exc).__name__}: {exc})"
-                    )
-                )
-                return
-
-    def _fail_all(self, exc: BaseException, fatal: bool = False) -> None:
-        """Fail every unacknowledged batch (lock held). Unless fatal, take a new identity."""
-        for state in self._partitions.values():
-            for batch in list(state.unacked):
-                batch.error = exc
-                self._retire(state, batch)
-            state.next_seq = 0
-            state.acked_next = 0
-        if fatal:
-            self._fatal = exc
-            for state in self._partitions.values():
-                if state.open is not None:
-                    state.open.error = exc
-                    self._buffered -= state.open.count
-                    state.open.finish()
-                    state.open = None
-            return
-        # The sender takes the new identity before it writes anything else (and keeps trying
-        # while the server is unreachable).
-        self._needs_new_identity = True
-
 
 class _Round:
     """Batches written together, per node, whose replies are still to be read."""
@@ -942,31 +711,11 @@ class _Round:
     __slots__ = ("nodes", "sent")
 
     def __init__(self) -> None:
-        self.nodes: dict[str, list[_Batch | None]] = {}
+        self.nodes: dict[str, list[tuple[Batch, Callable[[Any], Any]] | None]] = {}
         self.sent: list[str] = []
 
-    def release(self) -> None:
-        for entries in self.nodes.values():
-            for batch in entries:
-                if batch is not None:
-                    batch.in_flight = False
-
-
-# The per-message argument layout of a batch (see lua/includes/append.lua), by
-# (has key, has headers, has message id).
-_LAYOUTS = {
-    (k, h, m): ("k" if k else "") + "v" + ("h" if h else "") + ("m" if m else "")
-    for k in (False, True)
-    for h in (False, True)
-    for m in (False, True)
-}
-
-_BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
-
-
-def _bulk_header(length: int) -> bytes:
-    """The RESP bulk-string header for a value of this length."""
-    return _BULK_HEADERS[length] if length < 4096 else b"$%d\r\n" % length
+    def batches(self) -> list[Batch]:
+        return [entry[0] for entries in self.nodes.values() for entry in entries if entry]
 
 
 __all__ = ["Producer", "SendFuture", "RecordMetadata", "RedisqError"]

@@ -13,11 +13,15 @@ import re
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import NoScriptError, ResponseError
 
 from redisq.errors import from_reply
+from redisq.protocol import ScriptCall
+from redisq.protocol.resp import command, decode_bulks
+
+T = TypeVar("T")
 
 _INCLUDE = re.compile(r"^-- #include (\S+)\s*$", re.MULTILINE)
 
@@ -95,6 +99,24 @@ class Scripts:
             if mapped is None:
                 raise
             raise mapped from None
+
+    def run(self, call: ScriptCall[T]) -> T:
+        """Send a protocol call and decode its reply (see `call`). A pre-encoded body is sent as
+        ordinary arguments (the producer's hot path writes pack() to its own connections)."""
+        args = call.args
+        if call.body_count:
+            args = [*args, *decode_bulks(call.body, call.body_count)]
+        return call.decode(self.call(call.script, call.keys, args, topic=call.topic))
+
+    def pack(self, call: ScriptCall[Any]) -> bytes:
+        """The call as one RESP EVALSHA command, for a connection written to directly."""
+        script = self._scripts[call.script]
+        return command(
+            b"EVALSHA",
+            [script.sha, len(call.keys), *call.keys, *call.args],
+            [call.body] if call.body_count else (),
+            call.body_count,
+        )
 
     def queue(self, pipe: Any, name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
         """Queue EVALSHA on a pipeline. The caller re-queues a NOSCRIPT result after load(name):

@@ -1,5 +1,8 @@
 """The producer's wire: pre-encoded EVALSHA commands written straight to dedicated connections.
 
+Reads wait no longer than the caller's deadline (the oldest batch's delivery timeout), so a
+silent socket (a blackholed network, a stopped server) cannot hold a send past its timeout.
+
 redis-py's pipeline encodes every argument in Python and reads one round before the next can be
 written. The producer encodes each message once, when it is queued, and keeps up to two rounds
 on the wire per node, so the server runs one round's scripts while the client reads the previous
@@ -11,7 +14,7 @@ behind ASKING.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
 from typing import Any
 
 import redis
@@ -19,40 +22,22 @@ from redis.cluster import RedisCluster
 
 log = logging.getLogger("redisq.transport")
 
-_CRLF = b"\r\n"
 
-
-def bulk(value: bytes) -> bytes:
-    """One RESP bulk string."""
-    return b"$%d\r\n%b\r\n" % (len(value), value)
-
-
-def _as_arg(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, int):
-        return b"%d" % value
-    return str(value).encode()
-
-
-def command(
-    name: bytes, args: Iterable[Any], encoded: Sequence[bytes] = (), encoded_count: int = 0
-) -> bytes:
-    """A RESP command: name, then args (encoded here), then `encoded` (already bulk strings)."""
-    head = [bulk(_as_arg(a)) for a in args]
-    return b"".join([b"*%d\r\n" % (1 + len(head) + encoded_count), bulk(name), *head, *encoded])
-
-
-def _error_codes() -> dict[type, str]:
-    try:
-        from redis._parsers.base import BaseParser
-    except ImportError:  # pragma: no cover - redis-py < 5
-        return {}
-    classes = BaseParser.EXCEPTION_CLASSES.items()
-    return {cls: code for code, cls in classes if isinstance(cls, type)}
-
-
-_ERROR_CODES = _error_codes()
+# redis-py maps these error codes to exception classes and strips the code from the message.
+_ERROR_CODES: dict[type, str] = {
+    redis.exceptions.OutOfMemoryError: "OOM",
+    redis.exceptions.ExecAbortError: "EXECABORT",
+    redis.exceptions.BusyLoadingError: "LOADING",
+    redis.exceptions.NoScriptError: "NOSCRIPT",
+    redis.exceptions.ReadOnlyError: "READONLY",
+    redis.exceptions.NoPermissionError: "NOPERM",
+    redis.exceptions.AskError: "ASK",
+    redis.exceptions.TryAgainError: "TRYAGAIN",
+    redis.exceptions.MovedError: "MOVED",
+    redis.exceptions.ClusterDownError: "CLUSTERDOWN",
+    redis.exceptions.ClusterCrossSlotError: "CROSSSLOT",
+    redis.exceptions.MasterDownError: "MASTERDOWN",
+}
 
 
 def _restore_error_code(exc: redis.ResponseError) -> None:
@@ -76,11 +61,13 @@ class Redirect(Exception):
 class Transport:
     """Dedicated connections (one per node) on which whole rounds of commands are written."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, socket_timeout_s: float = 30.0) -> None:
         self._client = client
+        self._socket_timeout_s = socket_timeout_s
+        # fakeredis answers when a reply is read, so it never looks readable before.
+        self._bounded_reads = type(client).__module__.split(".")[0] != "fakeredis"
         self.is_cluster = isinstance(client, RedisCluster)
         self._connections: dict[str, Any] = {}
-        self._pools: dict[str, Any] = {}  # node -> the pool its connection is borrowed from
         self._asking: dict[str, str] = {}  # key -> node named by an ASK redirection
 
     def node_for(self, key: str) -> str:
@@ -113,20 +100,30 @@ class Transport:
                 pool = self._client.get_redis_connection(cluster_node).connection_pool
             else:
                 pool = self._client.connection_pool
-            conn = pool.get_connection()
+            # A connection of our own, not borrowed from the pool: its socket timeout bounds a
+            # write that cannot complete, and it is never handed to another caller with replies
+            # of ours unread.
+            options = {**pool.connection_kwargs, "socket_timeout": self._socket_timeout_s}
+            conn = pool.connection_class(**options)
             self._connections[node] = conn
-            self._pools[node] = pool
         return conn
 
     def send(self, node: str, payload: bytes) -> None:
         """Write one round's commands for node; replies are read later with read()."""
         self._connection(node).send_packed_command([payload], check_health=False)
 
-    def read(self, node: str, count: int) -> list[Any]:
-        """Read count replies from node; error replies come back as exception objects."""
+    def read(self, node: str, count: int, deadline: float | None = None) -> list[Any]:
+        """Read count replies from node; error replies come back as exception objects. With a
+        deadline (time.monotonic()), redis.TimeoutError once it passes with a reply missing."""
         conn = self._connection(node)
         replies: list[Any] = []
         for _ in range(count):
+            if (
+                deadline is not None
+                and self._bounded_reads
+                and not conn.can_read(max(0.0, deadline - time.monotonic()))
+            ):
+                raise redis.TimeoutError(f"no reply from {node} within the delivery timeout")
             try:
                 replies.append(conn.read_response())
             except redis.ResponseError as exc:
@@ -147,17 +144,13 @@ class Transport:
         self._asking[key] = node
 
     def reset(self) -> None:
-        """Drop every connection (after a connection error: replies in flight are lost) and give
-        it back to its pool: a pool counts borrowed connections against max_connections, so
-        thousands of short-lived producers would otherwise exhaust it."""
-        for node, conn in self._connections.items():
+        """Drop every connection (after a connection error: replies in flight are lost)."""
+        for conn in self._connections.values():
             try:
                 conn.disconnect()
-                self._pools[node].release(conn)
             except Exception:  # pragma: no cover - best effort
                 pass
         self._connections.clear()
-        self._pools.clear()
         if self.is_cluster:
             try:
                 self._client.nodes_manager.initialize()

@@ -9,9 +9,9 @@ its rows by key again.
 Rows route like the Python producer: partition column, else zlib.crc32(key) % partitions, else
 (no key) sticky batches that move on round-robin.
 
-Idempotence (default "sequence"): each Spark task writes under a PID looked up by name
-(producer_id_for_name.lua, no epoch bump): the name is the write job (or streaming query id)
-and the Spark partition, so a retried task writes under the PID of its first attempt. Sequences
+Idempotence (default "sequence"): each Spark task writes under a producer id derived from a
+name (the write job, or streaming query id, and the Spark partition), so a retried task writes
+under the id of its first attempt. Sequences
 count the task's rows per topic partition from 0, and batches are cut the same way every time,
 so a retried task re-sends the same batches with the same base sequences, which
 produce_sequence.lua answers as duplicates. In a streaming query the epoch is the micro-batch id
@@ -59,7 +59,10 @@ from pyspark.sql.types import (
 import redisq
 from redisq.errors import InvalidConfig, PartitionOutOfRange, RedisqError, TopicNotFound
 from redisq.partitioner import partition_for_key
+from redisq.protocol import produce as protocol
+from redisq.protocol.produce import ProducerIdentity, encode_message
 from redisq.records import encode_headers
+from redisq.transport import Redirect, Transport
 from spark_connector.source import check_known, option, parse_int, resolve_url
 
 log = logging.getLogger("redisq.spark.writer")
@@ -76,7 +79,6 @@ WRITE_OPTIONS = (
     "_failAfterRows",
 )
 IDEMPOTENCE = ("sequence", "message_id", "none")
-NAME_TTL_MS = 7 * 24 * 3600 * 1000
 WINDOW = 16
 SEND_ATTEMPTS = 5
 
@@ -221,12 +223,16 @@ class _Pending:
 
 @dataclass
 class _Batch:
+    """A sealed batch (protocol.produce.SealedBatch): args are RESP pieces."""
+
     topic: str
     partition: int
     base_seq: int
     count: int
     layout: str
     args: list[bytes]
+    body: bytes | None = None
+    body_count: int = 0
 
 
 class _TaskWriter:
@@ -249,7 +255,7 @@ class _TaskWriter:
         self.keys = self.broker.keys
         self.scripts = self.broker.scripts
         self.stats = WriteStats(self.spark_partition, self.attempt)
-        self.producer_id = self._producer_id()
+        self.identity = ProducerIdentity(self._producer_id(), self.epoch)
         self._configs: dict[str, redisq.TopicConfig] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._next_seq: dict[tuple[str, int], int] = {}
@@ -259,15 +265,10 @@ class _TaskWriter:
 
     def _producer_id(self) -> int:
         if self.opts.idempotence == "none":
-            return int(self.broker.client.incr(self.keys.producer_id_counter()))
-        name = f"{self.job}.{self.spark_partition}"
-        return int(
-            self.scripts.call(
-                "producer_id_for_name",
-                [self.keys.spark_writer(name), self.keys.producer_id_counter()],
-                [NAME_TTL_MS],
-            )
-        )
+            return protocol.random_producer_id()
+        # Every attempt of this task derives the same id: its re-sent batches meet the state the
+        # first attempt left, and are answered as duplicates.
+        return protocol.named_producer_id(f"spark-writer\0{self.job}\0{self.spark_partition}")
 
     def _config(self, topic: str) -> redisq.TopicConfig:
         config = self._configs.get(topic)
@@ -363,13 +364,12 @@ class _TaskWriter:
             layout = "kvh" + ("m" if with_ids else "")
         args: list[bytes] = []
         for i in range(count):
-            if "k" in layout:
-                args.append(pending.keys[i] or b"")
-            args.append(pending.values[i])
-            if "h" in layout:
-                args.append(pending.headers[i] if pending.headers else b"")
-            if "m" in layout:
-                args.append(pending.message_ids[i])
+            args += encode_message(
+                (pending.keys[i] or b"") if "k" in layout else None,
+                pending.values[i],
+                (pending.headers[i] if pending.headers else b"") if "h" in layout else None,
+                pending.message_ids[i] if "m" in layout else None,
+            )
         base = self._next_seq.get(tp, 0)
         self._next_seq[tp] = base + (count if self.opts.idempotence == "sequence" else 1)
         self._sealed.append(_Batch(tp[0], tp[1], base, count, layout, args))
@@ -399,79 +399,46 @@ class _TaskWriter:
             )
 
     def _send_once(self) -> list[Any]:
-        pipe = self.broker.client.pipeline(transaction=False)
-        for batch in self._sealed:
-            name, keys, args = self._command(batch)
-            self.scripts.queue(pipe, name, keys, args)
-        replies = pipe.execute(raise_on_error=False)
+        """One round on the producer's transport (a connection per node, pre-encoded EVALSHA
+        commands): works on Redis Cluster, where a pipeline of scripts across slots does not."""
+        transport = Transport(self.broker.client)
+        try:
+            sent: dict[str, list[int]] = {}
+            payloads: dict[str, list[bytes]] = {}
+            calls = []
+            for i, batch in enumerate(self._sealed):
+                call = protocol.produce(
+                    self.keys,
+                    None if self.opts.idempotence == "none" else self.opts.idempotence,
+                    self.identity,
+                    self._config(batch.topic),
+                    batch,
+                    acked_next=self._acked_next.get((batch.topic, batch.partition), 0),
+                    window=WINDOW,
+                )
+                calls.append(call)
+                node = transport.node_for(call.keys[0])
+                sent.setdefault(node, []).append(i)
+                payloads.setdefault(node, []).append(self.scripts.pack(call))
+            replies: list[Any] = [None] * len(calls)
+            for node, parts in payloads.items():
+                transport.send(node, b"".join(parts))
+            for node, indexes in sent.items():
+                for i, reply in zip(indexes, transport.read(node, len(indexes)), strict=True):
+                    replies[i] = reply
+        finally:
+            transport.close()
+        if any(isinstance(r, Redirect) for r in replies):
+            raise redis.ConnectionError("the cluster's slots moved; sending again")
         if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
             # A restarted server: NOSCRIPT means that script did not run. Load and send again.
             for name in ("produce_sequence", "produce_message_id", "produce"):
                 self.scripts.load(name)
             raise redis.ConnectionError("scripts were not loaded")
-        return list(replies)
-
-    def _command(self, batch: _Batch) -> tuple[str, list[str], list[Any]]:
-        config = self._config(batch.topic)
-        topic, p = batch.topic, batch.partition
-        log_key = self.keys.log(topic, p)
-        if self.opts.idempotence == "sequence":
-            seqs = [b"%d" % s for s in range(batch.base_seq, batch.base_seq + batch.count)]
-            return (
-                "produce_sequence",
-                [log_key, self.keys.producer_state(topic, p, self.producer_id)],
-                [
-                    self.producer_id,
-                    self.epoch,
-                    batch.base_seq,
-                    batch.count,
-                    self._acked_next.get((topic, p), 0),
-                    WINDOW,
-                    config.state_ttl_ms,
-                    config.retention_messages,
-                    config.retention_ms,
-                    batch.layout,
-                    *batch.args,
-                    *seqs,
-                ],
-            )
-        if self.opts.idempotence == "message_id":
-            window = config.dedup_window_ms
-            now_ms = int(time.time() * 1000)
-            bucket = now_ms // window
-            return (
-                "produce_message_id",
-                [
-                    log_key,
-                    self.keys.dedup_bucket(topic, p, bucket),
-                    self.keys.dedup_bucket(topic, p, bucket - 1),
-                    self.keys.producer_state(topic, p, self.producer_id),
-                ],
-                [
-                    self.producer_id,
-                    (bucket + 2) * window - now_ms + 1000,
-                    config.retention_messages,
-                    config.retention_ms,
-                    batch.layout,
-                    batch.count,
-                    batch.base_seq,
-                    self._acked_next.get((topic, p), 0),
-                    config.state_ttl_ms,
-                    *batch.args,
-                ],
-            )
-        return (
-            "produce",
-            [log_key],
-            [
-                self.producer_id,
-                config.retention_messages,
-                config.retention_ms,
-                batch.layout,
-                batch.count,
-                *batch.args,
-            ],
-        )
+        return [
+            reply if isinstance(reply, Exception) else call.decode(reply)
+            for call, reply in zip(calls, replies, strict=True)
+        ]
 
     def _settle(self, batch: _Batch, reply: Any) -> None:
         if isinstance(reply, Exception):
@@ -483,18 +450,13 @@ class _TaskWriter:
         )
         self.stats.batches += 1
         if self.opts.idempotence == "message_id":
-            flags = _decode(reply[0])
-            dups = flags.count("1")
+            dups = reply.flags.count("1")
             self.stats.duplicates += dups
             self.stats.written += batch.count - dups
-        elif self.opts.idempotence == "sequence" and _decode(reply[0]) == "DUP":
+        elif self.opts.idempotence == "sequence" and reply.duplicate:
             self.stats.duplicates += batch.count
         else:
             self.stats.written += batch.count
-
-
-def _decode(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _summarise(messages: list[WriterCommitMessage | None], what: str) -> None:

@@ -10,10 +10,20 @@ import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 import redisq
+from redisq.errors import UnknownProducer
+from redisq.protocol.produce import (
+    BatchResult,
+    ProducerIdentity,
+    encode_message,
+    fence_partition,
+    produce,
+)
+from redisq.topic import TopicConfig
 from tests.servers import ServerProcess
 from tests.test_topics import snapshot
 
@@ -533,6 +543,20 @@ def test_acks_fsync_on_valkey_with_aof() -> None:
 PID = 900_001
 
 
+@dataclass
+class _Batch:
+    """A sealed batch as protocol.produce takes it."""
+
+    topic: str
+    partition: int
+    layout: str
+    count: int
+    base_seq: int
+    args: list[bytes]
+    body: bytes | None = None
+    body_count: int = 0
+
+
 def produce_sequence(
     broker: redisq.Broker,
     base: int,
@@ -541,14 +565,18 @@ def produce_sequence(
     epoch: int = 1,
     acked_next: int = 0,
     window: int = 3,
-) -> list[object]:
-    keys = [broker.keys.log("w", 0), broker.keys.producer_state("w", 0, PID)]
-    messages: list[object] = []
+    name: str | None = None,
+) -> BatchResult:
+    """One batch of ("key", value) messages through the protocol layer, as the producer sends it."""
+    args: list[bytes] = []
     for value in values:
-        messages += [b"key", value]
-    sequences = [str(base + i) for i in range(len(values))]
-    args = [PID, epoch, base, len(values), acked_next, window, 60_000, 0, 0, "kv"]
-    return list(broker.scripts.call("produce_sequence", keys, [*args, *messages, *sequences]))
+        args += encode_message(b"key", value, None, None)
+    batch = _Batch("w", 0, "kv", len(values), base, args)
+    config = TopicConfig("w", 1, producer_state_ttl_ms=60_000)
+    identity = ProducerIdentity(PID, epoch, name)
+    call = produce(broker.keys, "sequence", identity, config, batch, acked_next=acked_next,
+                   window=window)  # fmt: skip
+    return broker.scripts.run(call)
 
 
 def stream(broker: redisq.Broker) -> list[redisq.Message]:
@@ -559,28 +587,28 @@ def test_window_resent_batch_inside_window_is_a_dup_with_original_offset(
     broker: redisq.Broker,
 ) -> None:
     broker.create_topic("w")
-    status, first = produce_sequence(broker, 0, [b"a", b"b"])
-    assert status == b"OK"
-    assert produce_sequence(broker, 2, [b"c"])[0] == b"OK"
+    first = produce_sequence(broker, 0, [b"a", b"b"])
+    assert not first.duplicate and first.first_id
+    assert not produce_sequence(broker, 2, [b"c"]).duplicate
     before = snapshot(broker)
 
-    assert produce_sequence(broker, 0, [b"a", b"b"]) == [b"DUP", first]
+    assert produce_sequence(broker, 0, [b"a", b"b"]) == BatchResult(first.first_id, True)
     assert snapshot(broker) == before
     stored = stream(broker)
     assert [m.value for m in stored] == [b"a", b"b", b"c"]
-    assert stored[0].offset == first.decode()
+    assert stored[0].offset == first.first_id
     assert [(m.producer_id, m.sequence) for m in stored] == [(PID, 0), (PID, 1), (PID, 2)]
 
 
 def test_window_older_duplicate_has_no_offset(broker: redisq.Broker) -> None:
     broker.create_topic("w")
     for base in range(5):  # five one-message batches; the window remembers the last 3
-        assert produce_sequence(broker, base, [b"%d" % base])[0] == b"OK"
+        assert not produce_sequence(broker, base, [b"%d" % base]).duplicate
     before = snapshot(broker)
-    assert produce_sequence(broker, 0, [b"0"]) == [b"DUP"]
-    assert produce_sequence(broker, 1, [b"1"]) == [b"DUP"]
-    assert produce_sequence(broker, 2, [b"2"])[0] == b"DUP"
-    assert len(produce_sequence(broker, 2, [b"2"])) == 2  # still inside the window
+    assert produce_sequence(broker, 0, [b"0"]) == BatchResult(None, True)
+    assert produce_sequence(broker, 1, [b"1"]) == BatchResult(None, True)
+    assert produce_sequence(broker, 2, [b"2"]).duplicate
+    assert produce_sequence(broker, 2, [b"2"]).first_id  # still inside the window
     assert snapshot(broker) == before
     assert [m.value for m in stream(broker)] == [b"0", b"1", b"2", b"3", b"4"]
 
@@ -594,7 +622,7 @@ def test_window_gap_is_out_of_order_with_the_expected_sequence(broker: redisq.Br
     assert info.value.expected == 3
     assert info.value.retriable
     assert snapshot(broker) == before
-    assert produce_sequence(broker, 3, [b"d"])[0] == b"OK"  # the expected one goes in
+    assert not produce_sequence(broker, 3, [b"d"]).duplicate  # the expected one goes in
     assert [m.value for m in stream(broker)] == [b"a", b"b", b"c", b"d"]
 
 
@@ -610,8 +638,8 @@ def test_window_moves_on_when_the_broker_lost_acknowledged_batches(
     with pytest.raises(redisq.OutOfOrderSequence) as info:
         produce_sequence(broker, 6, [b"g"])  # a producer that does not say what was acked
     assert info.value.expected == 2
-    assert produce_sequence(broker, 6, [b"g"], acked_next=6)[0] == b"OK"
-    assert produce_sequence(broker, 6, [b"g"], acked_next=6)[0] == b"DUP"  # still deduplicated
+    assert not produce_sequence(broker, 6, [b"g"], acked_next=6).duplicate
+    assert produce_sequence(broker, 6, [b"g"], acked_next=6).duplicate  # still deduplicated
     with pytest.raises(redisq.OutOfOrderSequence):
         produce_sequence(broker, 9, [b"j"], acked_next=6)  # a real gap is still a gap
     assert [m.value for m in stream(broker)] == [b"a", b"b", b"g"]
@@ -620,7 +648,7 @@ def test_window_moves_on_when_the_broker_lost_acknowledged_batches(
 def test_window_older_epoch_is_fenced(broker: redisq.Broker) -> None:
     broker.create_topic("w")
     produce_sequence(broker, 0, [b"a"], epoch=1)
-    assert produce_sequence(broker, 0, [b"b"], epoch=2)[0] == b"OK"  # a new epoch restarts
+    assert not produce_sequence(broker, 0, [b"b"], epoch=2).duplicate  # a new epoch restarts
     before = snapshot(broker)
     with pytest.raises(redisq.ProducerFenced):
         produce_sequence(broker, 1, [b"zombie"], epoch=1)
@@ -628,6 +656,27 @@ def test_window_older_epoch_is_fenced(broker: redisq.Broker) -> None:
         produce_sequence(broker, 0, [b"a"], epoch=1)
     assert snapshot(broker) == before
     assert [m.value for m in stream(broker)] == [b"a", b"b"]
+
+
+def test_window_named_producer_needs_its_epoch_on_the_partition(broker: redisq.Broker) -> None:
+    """A named producer's write to a partition that does not carry its epoch (state expired,
+    partition added later, state lost) writes nothing: a missing state cannot tell a new
+    instance from a zombie. Once the epoch is stored there (fence_producer), it goes in."""
+    broker.create_topic("w")
+    before = snapshot(broker)
+    with pytest.raises(UnknownProducer):
+        produce_sequence(broker, 0, [b"a"], epoch=5, name="svc")
+    assert snapshot(broker) == before
+    produce_sequence(broker, 0, [b"old"], epoch=4)  # an older epoch's state (anonymous write)
+    with pytest.raises(UnknownProducer):
+        produce_sequence(broker, 0, [b"a"], epoch=5, name="svc")
+    identity = ProducerIdentity(PID, 5, "svc")
+    config = TopicConfig("w", 1, producer_state_ttl_ms=60_000)
+    assert broker.scripts.run(fence_partition(broker.keys, identity, config, 0)) is True
+    assert not produce_sequence(broker, 0, [b"a"], epoch=5, name="svc").duplicate
+    with pytest.raises(redisq.ProducerFenced):  # and the older epoch is refused from now on
+        broker.scripts.run(fence_partition(broker.keys, ProducerIdentity(PID, 4), config, 0))
+    assert [m.value for m in stream(broker)] == [b"old", b"a"]
 
 
 def test_window_missing_topic(broker: redisq.Broker) -> None:

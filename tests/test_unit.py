@@ -1,5 +1,6 @@
 """Fast unit tests on fakeredis: key names, records, partitioner, errors, urls, producer input
-checks, Snowflake ids, and the whole produce path (no real server, except one repr check)."""
+checks, generated message ids, and the whole produce path (no real server, except one repr
+check)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from redisq.errors import (
     TopicNotFound,
 )
 from redisq.keys import KeySpace, validate_name, validate_namespace, validate_topic
+from redisq.msgid import MessageIdGenerator, decode_ulid, ulid_time_ms
 from redisq.partitioner import StickyPartitioner, partition_for_key
 from redisq.records import (
     decode_entry,
@@ -35,7 +37,6 @@ from redisq.records import (
     offset_at,
     offset_parts,
 )
-from redisq.snowflake import COUNTER_BITS, EPOCH_MS, WORKER_BITS, SnowflakeGenerator
 from tests.servers import free_port
 
 
@@ -79,11 +80,8 @@ def test_namespace_keys_share_one_hash_tag() -> None:
     global_keys = [
         keys.topics(),
         keys.topic_meta("orders"),
-        keys.producer_id_counter(),
         keys.named_producer("svc"),
         keys.named_producer_topics("svc"),
-        keys.worker_id_counter(),
-        keys.worker_id_lease(7),
     ]
     assert {hash_tag(k) for k in global_keys} == {"ns"}
     assert len({key_slot(k.encode()) for k in global_keys}) == 1
@@ -324,6 +322,13 @@ def test_connection_error_hides_password() -> None:
     assert "***" in str(caught.value)
 
 
+def test_client_library_retries_are_refused() -> None:
+    """redis-py would re-send a script whose reply was lost; redisq owns its retries."""
+    for option in ({"retry_on_timeout": True}, {"retry_on_error": [redis.ConnectionError]}):
+        with pytest.raises(InvalidConfig, match="retries"):
+            open_client(f"redis://127.0.0.1:{free_port()}/0", **option)
+
+
 def test_broker_repr_hides_password(valkey_server: Any) -> None:
     """Valkey's default user has nopass, so AUTH default <anything> succeeds."""
     url = f"redis://default:topsecret@127.0.0.1:{valkey_server.port}/0"
@@ -393,67 +398,24 @@ def test_producer_rejects_bad_choices(fake: redisq.Broker) -> None:
         fake.producer(acks="fsync")
     # A small window is fine without sequence idempotence.
     fake.producer(idempotence=None, window=1, max_in_flight=5).close()
-    # Nothing was left behind by the refused producers but PID counters.
-    assert all(b"pid-counter" in k for k in namespace_keys(fake))
+    # Nothing was left behind by the refused producers.
+    assert namespace_keys(fake) == []
 
 
-# -- Snowflake ids -------------------------------------------------------------------------------
+# -- generated message ids ----------------------------------------------------------------------
 
 
-def test_snowflake_ids_unique_increasing_with_worker_id(fake: redisq.Broker) -> None:
-    first = SnowflakeGenerator(fake.client, fake.keys, fake.scripts)
-    second = SnowflakeGenerator(fake.client, fake.keys, fake.scripts)
-    try:
-        assert first.worker_id != second.worker_id
-        before = int(time.time() * 1000)
-        ids = [first.next_id() for _ in range(10_000)]  # > 4096: crosses the per-ms counter
-        after = int(time.time() * 1000)
-        assert ids == sorted(ids) and len(set(ids)) == len(ids)
-        for value in (ids[0], ids[-1]):
-            assert (value >> COUNTER_BITS) & ((1 << WORKER_BITS) - 1) == first.worker_id
-            ms = (value >> (WORKER_BITS + COUNTER_BITS)) + EPOCH_MS
-            assert before <= ms <= after + 1
-        other = [second.next_id() for _ in range(1000)]
-        assert not set(other) & set(ids)
-        assert all(
-            (v >> COUNTER_BITS) & ((1 << WORKER_BITS) - 1) == second.worker_id for v in other
-        )
-        lease = fake.keys.worker_id_lease(first.worker_id)
-        assert fake.client.get(lease) is not None and fake.client.pttl(lease) > 0
-    finally:
-        first.close()
-        second.close()
-    assert fake.client.get(fake.keys.worker_id_lease(first.worker_id)) is None
-
-
-def test_snowflake_stops_when_lease_lost(fake: redisq.Broker) -> None:
-    generator = SnowflakeGenerator(fake.client, fake.keys, fake.scripts, lease_ttl_ms=300)
-    try:
-        generator.next_id()
-        fake.client.set(fake.keys.worker_id_lease(generator.worker_id), b"someone-else")
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            try:
-                generator.next_id()
-            except errors.WorkerIdUnavailable:
-                break
-            time.sleep(0.02)
-        else:
-            pytest.fail("the generator kept handing out ids after losing its lease")
-        # Its close() must not delete the lease it no longer holds.
-    finally:
-        generator.close()
-    assert fake.client.get(fake.keys.worker_id_lease(generator.worker_id)) == b"someone-else"
-
-
-def test_snowflake_leases_skip_held_worker_ids(fake: redisq.Broker) -> None:
-    fake.client.set(fake.keys.worker_id_lease(1), b"held")
-    fake.client.set(fake.keys.worker_id_lease(2), b"held")
-    generator = SnowflakeGenerator(fake.client, fake.keys, fake.scripts)
-    try:
-        assert generator.worker_id not in (1, 2)
-    finally:
-        generator.close()
+def test_generated_message_ids_are_monotonic_ulids() -> None:
+    first, second = MessageIdGenerator(), MessageIdGenerator()
+    before = int(time.time() * 1000)
+    ids = [first.next_id() for _ in range(20_000)]  # many per millisecond
+    after = int(time.time() * 1000)
+    assert all(len(i) == 26 for i in ids)
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert before <= ulid_time_ms(ids[0]) <= ulid_time_ms(ids[-1]) <= after + 1
+    assert all(decode_ulid(i) >> 128 == 0 for i in (ids[0], ids[-1]))
+    other = [second.next_id() for _ in range(20_000)]
+    assert not set(other) & set(ids)  # no lease, no counter in Redis: unique by construction
 
 
 # -- topics --------------------------------------------------------------------------------------
@@ -690,7 +652,7 @@ def test_named_producer_fences_older_instance(fake: redisq.Broker) -> None:
     old = fake.producer(name="svc")
     old.send("t", b"1", key="a")
     new = fake.producer(name="svc")
-    assert new.producer_id == old.producer_id and new.epoch == old.epoch + 1
+    assert new.producer_id == old.producer_id and new.epoch > old.epoch
     with pytest.raises(ProducerFenced):
         old.send("t", b"2", key="a")
     with pytest.raises(ProducerFenced):  # fenced producers stay fenced
@@ -713,8 +675,10 @@ def test_lost_reply_is_answered_from_the_window(
     real_read = Transport.read
     failures = {"left": 1}
 
-    def flaky_read(self: Transport, node: str, count: int) -> list[Any]:
-        replies = real_read(self, node, count)
+    def flaky_read(
+        self: Transport, node: str, count: int, deadline: float | None = None
+    ) -> list[Any]:
+        replies = real_read(self, node, count, deadline)
         written = any(isinstance(r, list) and r[:1] == [b"OK"] for r in replies)
         if written and failures["left"]:  # the scripts ran; their replies are lost
             failures["left"] -= 1
@@ -741,7 +705,7 @@ def test_topic_deleted_under_producer(fake: redisq.Broker) -> None:
         with pytest.raises(TopicNotFound):
             producer.send("t", b"2")
     # The script refused before writing anything: no partition key came back.
-    assert namespace_keys(fake) == [fake.keys.producer_id_counter().encode()]
+    assert namespace_keys(fake) == []
 
 
 def test_retention_by_count(fake: redisq.Broker) -> None:

@@ -8,10 +8,17 @@ and its zombies can do:
   and a window of the last W batches with the stream ID each was first written at. New batches in
   order, re-sends of any earlier batch (inside or outside the window), batches beyond a gap,
   lost replies, restarts with a newer epoch (with or without fence_producer.lua), zombies that
-  keep sending with an older epoch, and the state key expiring (DEL) so that acked_next is used.
+  keep sending with an older epoch, and the state key expiring (DEL) so that acked_next is used;
+  for named producers, a write to a partition without the instance's epoch is refused
+  (UNKNOWN_PRODUCER) until the instance stores it there (fence_producer.lua).
 * produce_message_id.lua (DESIGN §3B): batch numbers keep in-flight batches in order; message
-  ids are written once per dedup window (current and previous time-slice bucket), duplicates
-  inside one batch and across batches answer the ID the id was first written at.
+  ids are written once per dedup window (the ring of two buckets, time slices from the server's
+  clock), duplicates inside one batch and across batches answer the ID the id was first written
+  at. The window is so long that the real clock never moves to another slice during a test;
+  the model moves time on by aging the ring's buckets (what a later TIME would see).
+
+The scripts are called through the protocol layer (redisq.protocol.produce), as the producer
+calls them.
 
 After every step the script's reply and the whole stream (XRANGE) must equal the model's.
 """
@@ -39,8 +46,17 @@ from hypothesis.stateful import (
 )
 
 import redisq
-from redisq.errors import OutOfOrderSequence, ProducerFenced
+from redisq.errors import OutOfOrderSequence, ProducerFenced, UnknownProducer
+from redisq.protocol import ScriptCall
+from redisq.protocol.produce import (
+    BatchResult,
+    ProducerIdentity,
+    encode_message,
+    fence_partition,
+    produce,
+)
 from redisq.records import offset_at, offset_parts
+from redisq.topic import TopicConfig
 
 STATE_TTL_MS = 600_000
 SETTINGS = settings(
@@ -76,16 +92,39 @@ def read_stream(broker: redisq.Broker, key: str) -> list[tuple[str, dict[bytes, 
     return [(entry_id.decode(), dict(fields)) for entry_id, fields in broker.client.xrange(key)]
 
 
-def call(broker: redisq.Broker, name: str, keys: list[str], args: list[Any]) -> Any:
-    """The script's reply, or the typed error it answered with."""
+def call(broker: redisq.Broker, script_call: ScriptCall[Any]) -> Any:
+    """The decoded reply, or the typed error the script answered with."""
     try:
-        return broker.scripts.call(name, keys, args)
-    except (OutOfOrderSequence, ProducerFenced) as exc:
+        return broker.scripts.run(script_call)
+    except (OutOfOrderSequence, ProducerFenced, UnknownProducer) as exc:
         return exc
 
 
-def fields_for(layout: str, message: dict[str, bytes]) -> list[bytes]:
-    return [message[letter] for letter in layout]
+@dataclass
+class WireBatch:
+    """A sealed batch as protocol.produce takes it (args: RESP pieces of every message)."""
+
+    topic: str
+    partition: int
+    layout: str
+    count: int
+    base_seq: int
+    args: list[bytes]
+    body: bytes | None = None
+    body_count: int = 0
+
+
+def wire_batch(topic: str, base: int, layout: str, messages: list[dict[str, bytes]]) -> WireBatch:
+    args: list[bytes] = []
+    for message in messages:
+        get = message.get
+        args += encode_message(
+            get("k") if "k" in layout else None,
+            message["v"],
+            get("h") if "h" in layout else None,
+            get("m") if "m" in layout else None,
+        )
+    return WireBatch(topic, 0, layout, len(messages), base, args)
 
 
 def stored_fields(layout: str, message: dict[str, bytes]) -> dict[bytes, bytes]:
@@ -130,9 +169,14 @@ class Instance:
 
     pid: int
     epoch: int
+    named: bool = False  # a named producer's instance (UNKNOWN_PRODUCER without its epoch)
     batches: list[SeqBatch] = field(default_factory=list)
-    acked_next: int = 0  # what the producer sends as ARGV[5]
+    acked_next: int = 0  # what the producer sends as acked_next
     fenced: bool = False  # it received PRODUCER_FENCED and stopped
+
+    @property
+    def identity(self) -> ProducerIdentity:
+        return ProducerIdentity(self.pid, self.epoch, f"p{self.pid}" if self.named else None)
 
     @property
     def next_base(self) -> int:
@@ -187,11 +231,11 @@ class SequenceWindowMachine(ScriptMachine):
         self.lost: set[tuple[bytes, bytes, int]] = set()  # (pid, epoch, seq) lost by failovers
 
     # -- set-up ---------------------------------------------------------------------------------
-    @initialize(window=st.integers(1, 4), pids=st.integers(1, 2))
-    def setup(self, window: int, pids: int) -> None:
+    @initialize(window=st.integers(1, 4), named=st.lists(st.booleans(), min_size=1, max_size=2))
+    def setup(self, window: int, named: list[bool]) -> None:
         self.window = window
-        for pid in range(1, pids + 1):
-            self.instances.append(Instance(pid=pid, epoch=0))
+        for pid, is_named in enumerate(named, start=1):
+            self.instances.append(Instance(pid=pid, epoch=0, named=is_named))
 
     def live(self) -> list[Instance]:
         return [i for i in self.instances if not i.fenced]
@@ -203,6 +247,9 @@ class SequenceWindowMachine(ScriptMachine):
             return "FENCED", (state.epoch, inst.epoch)
         if state is not None and state.epoch == inst.epoch:
             next_seq, window = state.next, state.window
+        elif inst.named:
+            # A named instance must have its epoch stored here first: nothing is written.
+            return "UNKNOWN", None
         else:
             # No state for this epoch (expired, or a newer epoch no fence reached): acked_next.
             # A newer epoch is remembered at once, so an older instance is fenced from now on.
@@ -223,46 +270,43 @@ class SequenceWindowMachine(ScriptMachine):
     def send(self, inst: Instance, batch: SeqBatch, lose_reply: bool) -> None:
         self.calls += 1
         ttl_ms = STATE_TTL_MS + 1000 * self.calls  # a new TTL per call: is it refreshed?
-        args: list[Any] = [
-            inst.pid,
-            inst.epoch,
-            batch.base,
-            batch.count,
-            inst.acked_next,
-            self.window,
-            ttl_ms,
-            0,
-            0,
-            batch.layout,
-        ]
-        for message in batch.messages:
-            args += fields_for(batch.layout, message)
-        args += [str(batch.base + i) for i in range(batch.count)]
+        config = TopicConfig(self.topic, 1, producer_state_ttl_ms=ttl_ms)
+        wire = wire_batch(self.topic, batch.base, batch.layout, batch.messages)
         before = self.snapshot()
         self.failover_point = None
         expected, detail = self.model_produce(inst, batch)
-        reply = call(self.broker, "produce_sequence", [self.log, self.state_key(inst.pid)], args)
+        reply = call(
+            self.broker,
+            produce(
+                self.broker.keys,
+                "sequence",
+                inst.identity,
+                config,
+                wire,
+                acked_next=inst.acked_next,
+                window=self.window,
+            ),
+        )
         where = f"{inst.name} batch {batch.base}+{batch.count}"
         if expected == "FENCED":
             assert isinstance(reply, ProducerFenced), (where, reply)
             assert f"stored={detail[0]} got={detail[1]}" in str(reply)
             inst.fenced = True  # a fenced producer stops for good
             return
+        if expected == "UNKNOWN":
+            assert isinstance(reply, UnknownProducer), (where, reply)
+            return
         if expected == "OUT_OF_ORDER":
             assert isinstance(reply, OutOfOrderSequence), (where, reply)
             assert reply.expected == detail, (where, reply.expected, detail)
             return
-        assert isinstance(reply, list), (where, reply)
-        kind = reply[0].decode()
+        assert isinstance(reply, BatchResult), (where, reply)
         if expected == "DUP":
-            assert kind == "DUP", (where, reply)
-            if detail is None:
-                assert len(reply) == 1, (where, reply)
-            else:
-                assert len(reply) == 2 and reply[1].decode() == detail, (where, reply, detail)
+            assert reply.duplicate, (where, reply)
+            assert reply.first_id == detail, (where, reply, detail)
         else:
-            assert kind == "OK" and len(reply) == 2, (where, reply)
-            first_id = reply[1].decode()
+            assert not reply.duplicate and reply.first_id, (where, reply)
+            first_id = reply.first_id
             ids = check_appended(self.stream, first_id, batch.count)
             for i, (entry_id, message) in enumerate(zip(ids, batch.messages, strict=True)):
                 stored = stored_fields(batch.layout, message)
@@ -370,20 +414,35 @@ class SequenceWindowMachine(ScriptMachine):
 
     @rule(data=st.data(), fence=st.booleans())
     def restart(self, data: st.DataObject, fence: bool) -> None:
-        """A new instance of a named producer: a newer epoch, sequences from 0. The older
-        instance lives on as a zombie until it is told it was fenced."""
+        """A new instance of a producer: a newer epoch, sequences from 0. The older instance
+        lives on as a zombie until it is told it was fenced."""
         pid = data.draw(st.sampled_from(sorted({i.pid for i in self.instances})), label="pid")
-        epoch = max(i.epoch for i in self.instances if i.pid == pid) + 1
-        inst = Instance(pid=pid, epoch=epoch)
+        older = [i for i in self.instances if i.pid == pid]
+        inst = Instance(pid=pid, epoch=max(i.epoch for i in older) + 1, named=older[0].named)
         self.instances.append(inst)
-        if not fence:
-            return
+        if fence:
+            self.fence_instance(inst)
+
+    def fence_instance(self, inst: Instance) -> None:
+        """fence_producer.lua: what a producer does at start, and after UNKNOWN_PRODUCER."""
         self.failover_point = None
-        reply = call(self.broker, "fence_producer", [self.state_key(pid)], [epoch, STATE_TTL_MS])
-        state = self.states.get(pid)
-        assert state is None or state.epoch < epoch
-        assert reply == 1, reply
-        self.states[pid] = PidState(epoch, 0, [])
+        config = TopicConfig(self.topic, 1, producer_state_ttl_ms=STATE_TTL_MS)
+        reply = call(self.broker, fence_partition(self.broker.keys, inst.identity, config, 0))
+        state = self.states.get(inst.pid)
+        if state is not None and state.epoch > inst.epoch:
+            assert isinstance(reply, ProducerFenced), reply
+            inst.fenced = True
+            return
+        assert reply is (state is None or state.epoch < inst.epoch), (reply, state)
+        if state is None or state.epoch < inst.epoch:
+            self.states[inst.pid] = PidState(inst.epoch, 0, [])
+
+    @precondition(lambda self: any(i.named for i in self.live()))
+    @rule(data=st.data())
+    def fence(self, data: st.DataObject) -> None:
+        """A named instance stores its epoch on the partition (after UNKNOWN_PRODUCER)."""
+        inst = data.draw(st.sampled_from([i for i in self.live() if i.named]), label="instance")
+        self.fence_instance(inst)
 
     @rule(data=st.data())
     def expire_state(self, data: st.DataObject) -> None:
@@ -449,13 +508,20 @@ class IdProducer:
     acked_next: int = 0
 
 
+# So long that the server's clock never enters another slice during a test: the model moves time
+# on by aging the buckets instead (next_time_slice).
+DEDUP_WINDOW_MS = 10**12
+
+
 class MessageIdMachine(ScriptMachine):
     topic = "ids"
 
     def __init__(self, make_broker: BrokerFactory) -> None:
         super().__init__(make_broker)
-        self.bucket = 1000
-        self.buckets: dict[int, dict[bytes, str]] = {}
+        seconds, micros = self.broker.client.time()
+        self.slice = (int(seconds) * 1000 + int(micros) // 1000) // DEDUP_WINDOW_MS
+        self.current: dict[bytes, str] = {}  # model of the current slice's bucket
+        self.previous: dict[bytes, str] = {}  # and of the previous slice's
         self.last_batch: dict[int, int] = {}  # model of the state hash's `batch` field
         self.stream: list[tuple[str, dict[bytes, bytes]]] = []
         self.producers = [IdProducer(pid=1), IdProducer(pid=2)]
@@ -463,11 +529,13 @@ class MessageIdMachine(ScriptMachine):
 
     def model_produce(self, producer: IdProducer, batch: IdBatch) -> tuple[str, Any]:
         last = self.last_batch.get(producer.pid)
-        expected = last + 1 if last is not None else producer.acked_next
+        if last is None:  # no state: the script stores acked_next - 1 before it checks
+            last = self.last_batch[producer.pid] = producer.acked_next - 1
+        expected = max(last + 1, producer.acked_next)
         if batch.number > expected:
             return "OUT_OF_ORDER", expected
-        previous = self.buckets.get(self.bucket - 1) or {}
-        current = self.buckets.setdefault(self.bucket, {})
+        previous = self.previous
+        current = self.current
         flags: list[str] = []
         dups: list[str | int] = []  # an int j: the j-th message appended by this very batch
         fresh: list[bytes] = []
@@ -489,45 +557,41 @@ class MessageIdMachine(ScriptMachine):
         return "OK", ("".join(flags), dups, fresh)
 
     def send(self, producer: IdProducer, batch: IdBatch, lose_reply: bool) -> None:
-        args: list[Any] = [
-            producer.pid,
-            STATE_TTL_MS,
-            0,
-            0,
-            batch.layout,
-            len(batch.messages),
-            batch.number,
-            producer.acked_next,
-            STATE_TTL_MS,
-        ]
-        for message in batch.messages:
-            args += fields_for(batch.layout, message)
-        keys = [
-            self.log,
-            self.broker.keys.dedup_bucket(self.topic, 0, self.bucket),
-            self.broker.keys.dedup_bucket(self.topic, 0, self.bucket - 1),
-            self.state_key(producer.pid),
-        ]
+        config = TopicConfig(
+            self.topic, 1, dedup_window_ms=DEDUP_WINDOW_MS, producer_state_ttl_ms=STATE_TTL_MS
+        )
+        wire = wire_batch(self.topic, batch.number, batch.layout, batch.messages)
         expected, detail = self.model_produce(producer, batch)
-        reply = call(self.broker, "produce_message_id", keys, args)
+        reply = call(
+            self.broker,
+            produce(
+                self.broker.keys,
+                "message_id",
+                ProducerIdentity(producer.pid, 0),
+                config,
+                wire,
+                acked_next=producer.acked_next,
+                window=1,
+            ),
+        )
         where = f"pid {producer.pid} batch {batch.number}"
         if expected == "OUT_OF_ORDER":
             assert isinstance(reply, OutOfOrderSequence), (where, reply)
             assert reply.expected == detail, (where, reply.expected, detail)
             return
         flags, dups, fresh = detail
-        assert isinstance(reply, list), (where, reply)
-        assert reply[0].decode() == flags, (where, reply, flags)
-        first_id = reply[1].decode()
+        assert isinstance(reply, BatchResult), (where, reply)
+        assert reply.flags == flags, (where, reply, flags)
+        first_id = reply.first_id or ""
         assert (first_id == "") == (not fresh), (where, reply)
         # A repeat inside the batch answers the ID its first occurrence was just written at.
         dup_ids = [offset_at(first_id, d) if isinstance(d, int) else d for d in dups]
-        assert [r.decode() for r in reply[2:]] == dup_ids, (where, reply, dup_ids)
+        assert list(reply.duplicate_ids) == dup_ids, (where, reply, dup_ids)
         if fresh:
             ids = check_appended(self.stream, first_id, len(fresh))
             appended = [m for m, f in zip(batch.messages, flags, strict=True) if f == "0"]
             for entry_id, message in zip(ids, appended, strict=True):
-                self.buckets[self.bucket][message["m"]] = entry_id
+                self.current[message["m"]] = entry_id
                 stored = stored_fields(batch.layout, message)
                 stored[b"p"] = b"%d" % producer.pid
                 self.stream.append((entry_id, stored))
@@ -578,10 +642,27 @@ class MessageIdMachine(ScriptMachine):
         batch = data.draw(st.sampled_from(producer.batches), label="batch")
         self.send(producer, batch, lose_reply)
 
+    def bucket_keys(self) -> tuple[str, str]:
+        """The ring's bucket of the server's current slice, and of the previous one."""
+        keys = self.broker.keys
+        return (
+            keys.dedup_bucket(self.topic, 0, self.slice % 2),
+            keys.dedup_bucket(self.topic, 0, (self.slice + 1) % 2),
+        )
+
     @rule()
     def next_time_slice(self) -> None:
-        """The dedup window moves on: ids of the slice before the previous one are forgotten."""
-        self.bucket += 1
+        """The dedup window moves on: ids of the slice before the previous one are forgotten.
+        In Redis: the current bucket becomes the previous slice's (what the script would see one
+        slice later), and the current slice starts with no bucket."""
+        current, previous = self.bucket_keys()
+        client = self.broker.client
+        if client.exists(current):
+            client.rename(current, previous)
+            client.hset(previous, "", self.slice - 1)
+        else:
+            client.delete(previous)
+        self.previous, self.current = self.current, {}
         self.rotations += 1
 
     @rule(data=st.data())
@@ -603,10 +684,17 @@ class MessageIdMachine(ScriptMachine):
 
     @invariant()
     def buckets_match_model(self) -> None:
-        for bucket in (self.bucket - 1, self.bucket):
-            key = self.broker.keys.dedup_bucket(self.topic, 0, bucket)
+        """Each bucket holds its slice number under the field "" and the ids of that slice."""
+        for key, model, slice_ in zip(
+            self.bucket_keys(),
+            (self.current, self.previous),
+            (self.slice, self.slice - 1),
+            strict=True,
+        ):
             raw = {k: v.decode() for k, v in self.broker.client.hgetall(key).items()}
-            assert raw == self.buckets.get(bucket, {})
+            if model:
+                assert raw.pop(b"") == str(slice_)
+            assert raw == model
 
 
 # == the tests ==================================================================================
@@ -652,23 +740,32 @@ def produce_seq(
     acked_next: int = 0,
     window: int = 2,
 ) -> Any:
-    keys = [broker.keys.log("t", 0), broker.keys.producer_state("t", 0, pid)]
-    args: list[Any] = [pid, epoch, base, count, acked_next, window, STATE_TTL_MS, 0, 0, "v"]
-    args += [b"%d" % (base + i) for i in range(count)]
-    args += [str(base + i) for i in range(count)]
-    return call(broker, "produce_sequence", keys, args)
+    messages = [{"v": b"%d" % (base + i)} for i in range(count)]
+    config = TopicConfig("t", 1, producer_state_ttl_ms=STATE_TTL_MS)
+    return call(
+        broker,
+        produce(
+            broker.keys,
+            "sequence",
+            ProducerIdentity(pid, epoch),
+            config,
+            wire_batch("t", base, "v", messages),
+            acked_next=acked_next,
+            window=window,
+        ),
+    )
 
 
 def test_sequence_scenario(seq_broker: redisq.Broker) -> None:
     first = produce_seq(seq_broker, 0, 2)
-    assert first[0] == b"OK"
+    assert not first.duplicate
     second = produce_seq(seq_broker, 2, 3)
     third = produce_seq(seq_broker, 5, 1)
     # Inside the window (2 batches): the original first ID.
-    assert produce_seq(seq_broker, 2, 3) == [b"DUP", second[1]]
-    assert produce_seq(seq_broker, 5, 1) == [b"DUP", third[1]]
+    assert produce_seq(seq_broker, 2, 3) == BatchResult(second.first_id, True)
+    assert produce_seq(seq_broker, 5, 1) == BatchResult(third.first_id, True)
     # Older than the window: duplicate, offset unknown.
-    assert produce_seq(seq_broker, 0, 2) == [b"DUP"]
+    assert produce_seq(seq_broker, 0, 2) == BatchResult(None, True)
     # A gap.
     gap = produce_seq(seq_broker, 7, 1)
     assert isinstance(gap, OutOfOrderSequence) and gap.expected == 6
@@ -678,10 +775,10 @@ def test_sequence_scenario(seq_broker: redisq.Broker) -> None:
 def test_newer_epoch_fences_older_even_when_refused(seq_broker: redisq.Broker) -> None:
     """A newer epoch seen by the broker fences the older one at once, even if its first batch
     was refused (a gap) or was a duplicate: the zombie cannot write in between."""
-    assert produce_seq(seq_broker, 0, 1, epoch=1)[0] == b"OK"
+    assert not produce_seq(seq_broker, 0, 1, epoch=1).duplicate
     refused = produce_seq(seq_broker, 3, 1, epoch=2)
     assert isinstance(refused, OutOfOrderSequence) and refused.expected == 0
     zombie = produce_seq(seq_broker, 1, 1, epoch=1, acked_next=1)
     assert isinstance(zombie, ProducerFenced)
-    assert produce_seq(seq_broker, 0, 1, epoch=2)[0] == b"OK"
+    assert not produce_seq(seq_broker, 0, 1, epoch=2).duplicate
     assert seq_broker.client.xlen(seq_broker.keys.log("t", 0)) == 2

@@ -8,6 +8,13 @@
 --   m  message id
 -- Stream entry fields: k, v, h, m as above, plus p (producer id) and s (sequence) when given.
 
+-- server_now_ms(): the server's clock (TIME) in ms: the only clock the scripts trust, so clients
+-- with skewed clocks still agree on dedup windows and stream IDs.
+local function server_now_ms()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
+
 -- append_messages(stream, layout, first, count, producer_id, seq_first, claim)
 --   Appends `count` messages whose arguments start at ARGV[first], #layout arguments each.
 --   producer_id (or nil) is stored as field p; with seq_first, field s = ARGV[seq_first + i]
@@ -49,8 +56,7 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
     end
   end
   local last_ms, last_seq = string.match(last_id, '^(%d+)-(%d+)$')
-  local time = redis.call('TIME')
-  local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  local now_ms = server_now_ms()
   local ms, seq0 = tonumber(last_ms), tonumber(last_seq) + 1
   if now_ms > ms then
     ms, seq0 = now_ms, 0

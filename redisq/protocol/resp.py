@@ -1,0 +1,55 @@
+"""RESP encoding of commands, for callers that write pre-encoded commands to a socket (the
+producer's transport): each message is encoded once, when it is queued, and joined at send time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+_BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
+
+
+def bulk_header(length: int) -> bytes:
+    """The RESP bulk-string header for a value of this length."""
+    return _BULK_HEADERS[length] if length < 4096 else b"$%d\r\n" % length
+
+
+def bulk(value: bytes) -> bytes:
+    """One RESP bulk string."""
+    return b"%b%b\r\n" % (bulk_header(len(value)), value)
+
+
+def _as_arg(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, int):
+        return b"%d" % value
+    return str(value).encode()
+
+
+def command(
+    name: bytes, args: Iterable[Any], encoded: Sequence[bytes] = (), encoded_count: int = 0
+) -> bytes:
+    """A RESP command: name, then args (encoded here), then `encoded` (already bulk strings,
+    encoded_count of them)."""
+    head = [bulk(_as_arg(a)) for a in args]
+    return b"".join([b"*%d\r\n" % (1 + len(head) + encoded_count), bulk(name), *head, *encoded])
+
+
+def decode_bulks(encoded: bytes, count: int) -> list[bytes]:
+    """The values of `count` concatenated RESP bulk strings (the inverse of joining bulk()s), for
+    callers that send a pre-encoded body through a client's ordinary command interface."""
+    values: list[bytes] = []
+    pos = 0
+    for _ in range(count):
+        if encoded[pos : pos + 1] != b"$":
+            raise ValueError(f"not a RESP bulk string at byte {pos}")
+        end = encoded.index(b"\r\n", pos)
+        length = int(encoded[pos + 1 : end])
+        start = end + 2
+        values.append(encoded[start : start + length])
+        pos = start + length + 2
+    if pos != len(encoded):
+        raise ValueError(f"{len(encoded) - pos} bytes left after {count} bulk strings")
+    return values
