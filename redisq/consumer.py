@@ -16,6 +16,18 @@ left pending by a dead member are reclaimed with XAUTOCLAIM once idle for claim_
 Delivery is at-least-once: a message handled but not yet acknowledged when its owner dies is
 handled again by the next owner. Exactly-once effects need an idempotent handler
 (`Consumer.idempotent`).
+
+Malformed entries (written by another client; see records.py) never reach the handler nor
+poll()'s caller: each goes to the group's failure policy as it is met, in offset order with the
+messages around it. dead_letter: copied to the dead-letter topic with its raw fields, acked, and
+the partition goes on. park_key: the same, and its key is parked when it has one (run() only;
+poll() dead-letters without parking, as `Consumer.dead_letter` does). block: orderly, the
+partition waits on it (describe shows it blocked) until the entry is deleted (XDEL) or trimmed;
+concurrent, it stays pending and is retried when reclaimed. They count in stats.malformed and
+describe_group, and are logged at most once per partition per MALFORMED_LOG_INTERVAL_S.
+
+Partitions added to the topic (broker.add_partitions) are read within metadata_max_age_ms: the
+member re-reads the topic's metadata that often and rebalances when the count changed.
 """
 
 from __future__ import annotations
@@ -31,17 +43,24 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
 
 from redisq.deadletter import DeadLetterWriter
-from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
+from redisq.errors import (
+    ConsumerClosed,
+    InvalidConfig,
+    InvalidName,
+    LeaseLost,
+    TopicNotFound,
+    check_int,
+)
 from redisq.group import MODES, STARTS, GroupMembership, Lease, assign_partitions
 from redisq.idempotent import IdempotentHandler
 from redisq.keys import validate_name
-from redisq.records import Message, decode_headers
+from redisq.records import MalformedMessage, Message, decode_entries, offset_parts
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -49,11 +68,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("redisq.consumer")
 
 POLICIES = ("dead_letter", "park_key", "block")
+MALFORMED_LOG_INTERVAL_S = 10.0
 MAX_IDS_PER_CALL = 1000  # ids per XACK script call: Lua's unpack() has a stack limit
 
 
 class _Stop(Exception):
     """The partition must stop being handled (revoked, lease lost or near its deadline, close)."""
+
+
+class _Blocked(Exception):
+    """Orderly, policy block: the partition waits on a malformed entry; read it again from the
+    pending entries after a backoff (it is gone once deleted or trimmed)."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(message.offset)
+        self.message = message
 
 
 @dataclass
@@ -66,6 +95,7 @@ class ConsumerStats:
     leases_lost: int = 0
     fenced_acks: int = 0
     rebalances: int = 0
+    malformed: int = 0  # malformed entries handed to the failure policy
 
 
 class _Partition:
@@ -93,6 +123,7 @@ class _Partition:
         self.worker: threading.Thread | None = None
         self.lanes: ThreadPoolExecutor | None = None
         self.last_claim = 0.0
+        self.retry_at = 0.0  # poll, orderly: blocked on a malformed entry until then
 
 
 def _default_name() -> str:
@@ -118,6 +149,8 @@ class Consumer:
       claim_idle_ms       concurrent: reclaim entries pending this long (default: lease_ttl_ms)
       block_ms            how long an idle partition waits for new entries per round
       ack_interval_ms     handled messages are acknowledged at least this often
+      metadata_max_age_ms partitions added to the topic are read within this (as Kafka's
+                          metadata.max.age.ms, shorter by default)
     """
 
     def __init__(
@@ -141,6 +174,7 @@ class Consumer:
         claim_idle_ms: int | None = None,
         block_ms: int = 300,
         ack_interval_ms: int = 100,
+        metadata_max_age_ms: int = 5000,
     ) -> None:
         if mode not in MODES:
             raise InvalidConfig(f"mode={mode!r}: expected one of {MODES}")
@@ -167,6 +201,7 @@ class Consumer:
         check_int("claim_idle_ms", claim_idle_ms, 100)
         check_int("block_ms", block_ms, 10, 10_000)
         check_int("ack_interval_ms", ack_interval_ms, 0)
+        check_int("metadata_max_age_ms", metadata_max_age_ms, 100, 3_600_000)
 
         self.broker = broker
         self.topic = topic
@@ -184,6 +219,7 @@ class Consumer:
         self._block_ms = block_ms
         self._ack_interval_s = ack_interval_ms / 1000
         self._heartbeat_s = heartbeat_interval_ms / 1000
+        self._metadata_max_age_s = metadata_max_age_ms / 1000
         self._renew_s = lease_ttl_ms / 3000
         # Stop handling a partition this long before its lease deadline (when renewals fail).
         self._margin_s = lease_ttl_ms / 10000
@@ -206,7 +242,15 @@ class Consumer:
             lease_ttl_ms=lease_ttl_ms,
             session_timeout_ms=session_timeout_ms,
         )
-        self._dead_letters = DeadLetterWriter(broker, topic, self.group)
+        # A dead-letter topic's name has a length limit that only deep nesting (a group on a
+        # dead-letter topic of a dead-letter topic ...) can pass: block needs none.
+        self._dead_letters: DeadLetterWriter | None = None
+        try:
+            self._dead_letters = DeadLetterWriter(broker, topic, self.group)
+        except InvalidName:
+            if failure_policy != "block":
+                raise
+        self._malformed_log = _RateLimitedLog(MALFORMED_LOG_INTERVAL_S)
         self._lock = threading.RLock()
         self._parts: dict[int, _Partition] = {}
         self._members: list[str] = []
@@ -383,16 +427,29 @@ class Consumer:
                 self.membership.leave()
             except redis.RedisError as exc:
                 log.warning("%s: could not leave the group: %s", self.name, exc)
-        self._dead_letters.close()
+        if self._dead_letters is not None:
+            self._dead_letters.close()
+        for partition, count in self._malformed_log.flush().items():
+            log.error(
+                "%s: %s/%d: %d more malformed entries since the last report",
+                self.name,
+                self.topic,
+                partition,
+                count,
+            )
 
     # -- membership and leases (the coordinator thread) -----------------------------------------
     def _coordinate(self) -> None:
         """Heartbeats, assignment, lease acquire/renew/release; runs until close()."""
         next_beat = time.monotonic() + self._heartbeat_s
+        next_metadata = time.monotonic() + self._metadata_max_age_s
         self._target = self._assignment()
         while not self._coordinator_stop.is_set():
             now = time.monotonic()
             try:
+                if now >= next_metadata and not self._stopping.is_set():
+                    next_metadata = now + self._metadata_max_age_s
+                    self._refresh_metadata()
                 if now >= next_beat and not self._stopping.is_set():
                     next_beat = now + self._heartbeat_s
                     self._heartbeat()
@@ -419,8 +476,26 @@ class Consumer:
             log.info("%s: members of %s/%s: %s", self.name, self.topic, self.group, members)
             self.stats.rebalances += 1
         self._members = members
-        self._partitions = self.broker.topic_config(self.topic).partitions
         self._target = self._assignment()
+
+    def _refresh_metadata(self) -> None:
+        """Re-read the topic's partition count (every metadata_max_age_ms): a partition added
+        by add_partitions is assigned, leased and read from the group's start position."""
+        try:
+            partitions = self.broker.topic_config(self.topic, refresh=True).partitions
+        except TopicNotFound:
+            log.warning("%s: topic %s no longer exists", self.name, self.topic)
+            return
+        if partitions != self._partitions:
+            log.info(
+                "%s: %s has %d partitions (was %d)",
+                self.name,
+                self.topic,
+                partitions,
+                self._partitions,
+            )
+            self._partitions = partitions
+            self._target = self._assignment()
 
     def _assignment(self) -> list[int]:
         if self.mode == "concurrent":
@@ -544,67 +619,8 @@ class Consumer:
     def _decode(
         self, partition: int, entries: list[Any], deliveries: list[Any] | None = None
     ) -> list[Message]:
-        """Stream entries as Messages (what records.decode_entry does, for a whole batch).
-
-        This is the client's hot path of reading: the field layouts written by
-        includes/append.lua are recognised by their field names and taken by position, the
-        timestamp is parsed once per millisecond, producer ids once per batch, and the Messages'
-        slots are set directly (see _message_factory)."""
-        topic = self.topic
-        messages: list[Message] = []
-        append = messages.append
-        new = object.__new__
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _SLOT_SETTERS
-        ms_prefix = "\0"
-        ms = 0
-        producer_ids: dict[Any, int] = {}
-        i = -1
-        for entry_id, flat in entries:
-            i += 1
-            offset = entry_id.decode() if type(entry_id) is bytes else str(entry_id)
-            if not offset.startswith(ms_prefix):
-                dash = offset.index("-") + 1
-                ms_prefix = offset[:dash]
-                ms = int(offset[: dash - 1])
-            blob = message_id = sequence = None
-            names = flat[0::2] if type(flat) is list else None
-            if names == _K_V_P:
-                key, value, producer_id = flat[1], flat[3], flat[5]
-            elif names == _K_V_P_S:
-                key, value, producer_id, sequence = flat[1], flat[3], flat[5], flat[7]
-            elif names == _K_V_M_P:
-                key, value, message_id, producer_id = flat[1], flat[3], flat[5], flat[7]
-            elif names == _K_V:
-                key, value, producer_id = flat[1], flat[3], None
-            else:
-                if isinstance(flat, dict):
-                    fields = flat
-                else:
-                    it = iter(flat)
-                    fields = dict(zip(it, it, strict=True))
-                get = fields.get
-                key, value, blob = get(b"k"), get(b"v", b""), get(b"h")
-                message_id, producer_id, sequence = get(b"m"), get(b"p"), get(b"s")
-            if producer_id is not None:
-                pid = producer_ids.get(producer_id)
-                if pid is None:
-                    pid = producer_ids[producer_id] = int(producer_id)
-            else:
-                pid = None
-            m = new(Message)
-            s0(m, topic)
-            s1(m, partition)
-            s2(m, offset)
-            s3(m, key)
-            s4(m, value)
-            s5(m, decode_headers(blob) if blob else {})
-            s6(m, ms)
-            s7(m, pid)
-            s8(m, int(sequence) if sequence is not None else None)
-            s9(m, message_id)
-            s10(m, max(1, int(deliveries[i])) if deliveries is not None else 1)
-            append(m)
-        return messages
+        """records.decode_entries: malformed entries come back as MalformedMessage in place."""
+        return decode_entries(self.topic, partition, entries, deliveries)
 
     def _claim_pending(self, part: _Partition, count: int, min_idle_ms: int = 0) -> list[Message]:
         """XAUTOCLAIM the partition's pending entries (the previous owner's, and ours from before a
@@ -781,8 +797,10 @@ class Consumer:
                 break
             if not self._may_handle(part) or (self.mode == "orderly" and part.outstanding):
                 continue
+            if part.retry_at and time.monotonic() < part.retry_at:
+                continue  # blocked on a malformed entry: not yet time to look again
             try:
-                messages = self._fetch(part, room)
+                messages = self._screen_malformed(part, self._fetch(part, room))
             except LeaseLost:
                 self._mark_lost(part)
                 continue
@@ -843,6 +861,12 @@ class Consumer:
                         self._handle_batch(part, messages)
                     elif self._may_handle(part):
                         self._wait_for_entries(part, tail)
+                except _Blocked as blocked:
+                    # Ack what came before it, wait, then read the pending entries again from
+                    # it: an operator's XDEL (or retention) removes it from them.
+                    self._flush_acks(part)
+                    self._sleep_while_owned(part, self._backoff(blocked.message.attempt))
+                    part.claiming, part.cursor = True, "0-0"
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # A read may have run without its answer reaching us: its entries sit in our
                     # pending list, so take the pending entries again before reading new ones.
@@ -922,6 +946,7 @@ class Consumer:
         unacked = part.unacked
         limit = part.deadline - self._margin_s
         handled = 0
+        blocked = False
         try:
             for message in messages:
                 now = time.monotonic()
@@ -934,6 +959,11 @@ class Consumer:
                 if part.parked and message.key in part.parked:
                     part.held[message.key].append(message)  # pending until the key is released
                     continue
+                if message.__class__ is MalformedMessage:
+                    if self._on_malformed(part, message, park=True) or self.mode != "orderly":
+                        continue  # dead-lettered (acked by the script), or left pending
+                    blocked = True
+                    raise _Blocked(message)
                 try:
                     handler(message)
                 except Exception as exc:
@@ -953,7 +983,7 @@ class Consumer:
             if handled:
                 self.stats.handled += handled
                 self._last_handled = time.monotonic()
-                if part.blocked_offset is not None:
+                if part.blocked_offset is not None and not blocked:
                     self._clear_blocked(part)
 
     def _handle_in_lanes(self, part: _Partition, messages: list[Message]) -> None:
@@ -987,6 +1017,10 @@ class Consumer:
         if message.key is not None and message.key in part.parked:
             with self._lock:
                 part.held[message.key].append(message)
+            return
+        if message.__class__ is MalformedMessage:
+            if not self._on_malformed(part, message, park=True):
+                raise _Blocked(message)  # lanes are orderly only
             return
         handler = self._handler
         assert handler is not None
@@ -1071,9 +1105,11 @@ class Consumer:
         park: bool,
     ) -> None:
         """Copy to the dead-letter topic, then (fenced) ack, count, and park the key if asked."""
-        self._dead_letters.write(message, error, attempts)
-        park_key = message.key if park and message.key is not None else b""
-        self._scripts.call(
+        # None only when the name is past its limit: building it again raises InvalidName.
+        writer = self._dead_letters or DeadLetterWriter(self.broker, self.topic, self.group)
+        writer.write(message, error, attempts)
+        park_key = message.key if park and message.key else b""
+        acked = self._scripts.call(
             "dead_letter",
             [
                 self._keys.log(self.topic, part.number),
@@ -1088,17 +1124,86 @@ class Consumer:
         self.stats.dead_letters += 1
         if park_key:
             part.parked.add(park_key)
+        if isinstance(message, MalformedMessage):
+            if acked:
+                # Not in dead_letter.lua (another engineer's file): a crash right here loses
+                # one count, never a message.
+                self._client.hincrby(
+                    self._keys.group_partition_state(self.topic, part.number, self.group),
+                    "malformed",
+                    1,
+                )
+            parked = " (key parked)" if park_key else ""
+            self._note_malformed(part, message, f"dead-lettered to {writer.topic}{parked}")
+            return
         log.error(
             "%s: %s/%d@%s dead-lettered to %s after %d attempts%s: %s",
             self.name,
             self.topic,
             part.number,
             message.offset,
-            self._dead_letters.topic,
+            writer.topic,
             attempts,
             " (key parked)" if park_key else "",
             error,
         )
+
+    # -- malformed entries -------------------------------------------------------------------------
+    def _on_malformed(self, part: _Partition, message: MalformedMessage, *, park: bool) -> bool:
+        """Hand a malformed entry to the failure policy (it never reaches the handler: it is
+        not a message). True: dead-lettered and acked by the dead_letter script, go on. False:
+        policy block; orderly, the partition waits on it; concurrent, it stays pending and is
+        retried when reclaimed (nothing waits in concurrent mode)."""
+        if self.failure_policy != "block":
+            self.stats.malformed += 1
+            park = park and self.failure_policy == "park_key"
+            self._dead_letter(part, message, message.error(), message.attempt, park=park)
+            return True
+        if self.mode != "orderly":
+            self.stats.malformed += 1
+            self._note_malformed(part, message, "left pending (policy block)")
+            return False
+        if part.blocked_offset != message.offset:
+            self.stats.malformed += 1
+            self._note_malformed(part, message, "blocking the partition until it is deleted")
+        self._mark_blocked(part, message, message.error(), message.attempt)
+        return False
+
+    def _screen_malformed(self, part: _Partition, messages: list[Message]) -> list[Message]:
+        """poll(): the messages without the malformed entries, each handed to the policy in
+        offset order. Orderly, policy block: only those before it; the rest stay pending and
+        are read again from it after a backoff (part.retry_at)."""
+        part.retry_at = 0.0
+        if not any(m.__class__ is MalformedMessage for m in messages):
+            if messages and part.blocked_offset is not None:
+                self._clear_blocked(part)  # the entry it waited on was deleted
+            return messages
+        kept: list[Message] = []
+        for message in messages:
+            if not isinstance(message, MalformedMessage):
+                kept.append(message)
+            elif not self._on_malformed(part, message, park=False) and self.mode == "orderly":
+                part.retry_at = time.monotonic() + self._backoff(message.attempt)
+                part.claiming, part.cursor = True, "0-0"
+                break
+        return kept
+
+    def _note_malformed(self, part: _Partition, message: MalformedMessage, outcome: str) -> None:
+        """One log line per partition per MALFORMED_LOG_INTERVAL_S at most, with a count: a
+        stream full of foreign entries must not flood the log."""
+        count = self._malformed_log.note(part.number)
+        if count is not None:
+            log.error(
+                "%s: %s/%d: %d malformed entr%s %s; the last at %s: %s",
+                self.name,
+                self.topic,
+                part.number,
+                count,
+                "y" if count == 1 else "ies",
+                outcome,
+                message.offset,
+                message.reason,
+            )
 
     def _mark_blocked(
         self, part: _Partition, message: Message, error: Exception, attempts: int
@@ -1145,7 +1250,7 @@ class Consumer:
         released: list[Message] = []
         for key in [k for k in part.held if k not in part.parked]:
             released.extend(part.held.pop(key))
-        released.sort(key=lambda m: _offset_key(m.offset))
+        released.sort(key=lambda m: offset_parts(m.offset))
         if released:
             log.info(
                 "%s: partition %d: %d held messages released", self.name, part.number, len(released)
@@ -1170,20 +1275,34 @@ class Consumer:
         self._closed = True
 
 
-# Message's slot descriptors, in field order: _decode sets them directly, about 40% cheaper than
-# the frozen dataclass's __init__ (which goes through object.__setattr__ per field).
-_MESSAGE_FIELDS = (
-    "topic", "partition", "offset", "key", "value", "headers", "timestamp_ms",
-    "producer_id", "sequence", "message_id", "attempt",
-)  # fmt: skip
-if tuple(f.name for f in fields(Message)) != _MESSAGE_FIELDS:  # pragma: no cover
-    raise ImportError("redisq.records.Message changed: update consumer._MESSAGE_FIELDS")
-_SLOT_SETTERS = tuple(getattr(Message, name).__set__ for name in _MESSAGE_FIELDS)
-# Field layouts of includes/append.lua (names at the even positions of an entry's field list).
-_K_V_P = [b"k", b"v", b"p"]
-_K_V_P_S = [b"k", b"v", b"p", b"s"]
-_K_V_M_P = [b"k", b"v", b"m", b"p"]
-_K_V = [b"k", b"v"]
+class _RateLimitedLog:
+    """Counts events per partition and says when to report them: at most once per interval."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[int, float] = {}
+        self._unreported: dict[int, int] = {}
+
+    def note(self, partition: int) -> int | None:
+        """Count one; the number to report now (this one and those held back), or None."""
+        with self._lock:
+            count = self._unreported.get(partition, 0) + 1
+            now = time.monotonic()
+            last = self._last.get(partition)
+            if last is not None and now - last < self._interval_s:
+                self._unreported[partition] = count
+                return None
+            self._last[partition] = now
+            self._unreported[partition] = 0
+            return count
+
+    def flush(self) -> dict[int, int]:
+        """The counts held back, reset."""
+        with self._lock:
+            held = {p: n for p, n in self._unreported.items() if n}
+            self._unreported.clear()
+            return held
 
 
 def _stream_entries(reply: Any) -> list[Any]:
@@ -1193,8 +1312,3 @@ def _stream_entries(reply: Any) -> list[Any]:
     if isinstance(reply, dict):
         return next(iter(reply.values())) or []
     return reply[0][1] or []
-
-
-def _offset_key(offset: str) -> tuple[int, int]:
-    ms, _, seq = offset.partition("-")
-    return int(ms), int(seq or 0)

@@ -1,10 +1,18 @@
 """Dead letters: a group's poison messages, kept in an ordinary redisq topic.
 
-The dead-letter topic of group g on topic t is "<t>.<g>.dlq" (one partition, created on demand).
-Each dead letter keeps the original key, value and headers, plus headers saying where it came
-from and why it failed: x-redisq-topic, -partition, -offset, -group, -error, -attempts, -at-ms.
-It is written with idempotence="message_id" and message id "<topic>/<partition>/<offset>", so a
-crash between the copy and the source ack writes it once.
+The dead-letter topic of group g on topic t is "<t>~dlq~<g>" (`redisq.keys.dead_letter_topic`;
+one partition, created on demand). Each dead letter keeps the original key, value and headers,
+plus headers saying where it came from and why it failed: x-redisq-topic, -partition, -offset,
+-group, -error, -attempts, -at-ms. It is written with idempotence="message_id" and message id
+"<topic>/<partition>/<offset>", so a crash between the copy and the source ack writes it once.
+
+A malformed entry (records.MalformedMessage: not a redisq message) is dead-lettered with what
+could be read as key, value and headers, the reason in x-redisq-error ("MalformedEntry: ..."),
+and every raw field of the entry, in order, in x-redisq-raw-fields (records.encode_fields).
+
+Before the "~" names, the dead-letter topic was "<t>.<g>.dlq", which (pay.eu, billing) and
+(pay, eu.billing) shared. Letters still in such a topic are listed and replayed with the group
+they name in their x-redisq-topic and x-redisq-group headers, never with the other's.
 """
 
 from __future__ import annotations
@@ -16,9 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from redisq.errors import TopicNotFound
-from redisq.keys import validate_name, validate_topic
-from redisq.records import Message
+from redisq.errors import InvalidName, TopicNotFound
+from redisq.keys import dead_letter_topic, parse_dead_letter_topic, validate_name, validate_topic
+from redisq.records import MalformedMessage, Message, decode_fields, encode_fields, parse_id_field
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -27,16 +35,35 @@ if TYPE_CHECKING:
 log = logging.getLogger("redisq.deadletter")
 
 HEADER_PREFIX = "x-redisq-"
+RAW_FIELDS_HEADER = HEADER_PREFIX + "raw-fields"
 MAX_ERROR_CHARS = 2000
+# A letter holds what Redis already stored (plus headers), so it must never be refused for size.
+_LETTER_MAX_BYTES = 512 << 20
+
+__all__ = [
+    "DeadLetter",
+    "DeadLetterWriter",
+    "dead_letter_topic",
+    "list_dead_letters",
+    "parse_dead_letter_topic",
+    "replay_dead_letters",
+]
 
 
-def dead_letter_topic(topic: str, group: str) -> str:
-    return validate_topic(f"{topic}.{validate_name('group', group)}.dlq")
+def _legacy_dead_letter_topic(topic: str, group: str) -> str | None:
+    """The pre-"~" name "<t>.<g>.dlq", when it is a valid topic name (else it never existed)."""
+    try:
+        return validate_topic(f"{topic}.{group}.dlq")
+    except InvalidName:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """A message in a dead-letter topic, with where it came from and why it failed."""
+    """A message in a dead-letter topic, with where it came from and why it failed.
+
+    raw_fields is set for a malformed entry: every field as it was stored, in order.
+    stored_in is the dead-letter topic that holds it."""
 
     message: Message
     topic: str
@@ -46,6 +73,8 @@ class DeadLetter:
     error: str
     attempts: int
     dead_lettered_ms: int
+    raw_fields: list[tuple[bytes, bytes]] | None = None
+    stored_in: str = ""
 
     @property
     def original_headers(self) -> dict[str, bytes]:
@@ -53,25 +82,41 @@ class DeadLetter:
 
     @classmethod
     def from_message(cls, message: Message) -> DeadLetter:
+        """Lenient: a letter whose x-redisq headers are missing or damaged still lists."""
         h = message.headers
 
-        def text(name: str, default: str = "") -> str:
-            return h.get(HEADER_PREFIX + name, default.encode()).decode(errors="replace")
+        def text(name: str) -> str:
+            return h.get(HEADER_PREFIX + name, b"").decode(errors="replace")
 
+        def number(name: str, default: int) -> int:
+            found = parse_id_field(h.get(HEADER_PREFIX + name))
+            return default if found is None else found
+
+        raw_fields = None
+        if RAW_FIELDS_HEADER in h:
+            try:
+                raw_fields = decode_fields(h[RAW_FIELDS_HEADER])
+            except ValueError:
+                raw_fields = None
         return cls(
             message=message,
             topic=text("topic"),
-            partition=int(text("partition", "-1")),
+            partition=number("partition", -1),
             offset=text("offset"),
             group=text("group"),
             error=text("error"),
-            attempts=int(text("attempts", "0")),
-            dead_lettered_ms=int(text("at-ms", "0")),
+            attempts=number("attempts", 0),
+            dead_lettered_ms=number("at-ms", 0),
+            raw_fields=raw_fields,
+            stored_in=message.topic,
         )
 
 
 class DeadLetterWriter:
-    """Copies failed messages to the dead-letter topic through one lazily started producer."""
+    """Copies failed messages to the dead-letter topic through one lazily started producer.
+
+    The topic name is checked here, eagerly (InvalidName past its length limit, which only a
+    deeply nested dead-letter topic can reach)."""
 
     def __init__(self, broker: Broker, topic: str, group: str) -> None:
         self._broker = broker
@@ -84,13 +129,19 @@ class DeadLetterWriter:
         with self._lock:
             if self._producer is None:
                 self._broker.create_topic(self.topic, partitions=1, exist_ok=True)
-                self._producer = self._broker.producer(idempotence="message_id")
+                self._producer = self._broker.producer(
+                    idempotence="message_id",
+                    max_message_bytes=_LETTER_MAX_BYTES,
+                    max_batch_bytes=64 << 20,
+                )
             return self._producer
 
     def write(self, message: Message, error: BaseException | str, attempts: int) -> None:
         """Blocks until the copy is acknowledged."""
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         headers: dict[str, str | bytes] = dict(message.headers)
+        if isinstance(message, MalformedMessage):
+            headers[RAW_FIELDS_HEADER] = encode_fields(message.raw_fields)
         headers.update(
             {
                 HEADER_PREFIX + "topic": message.topic,
@@ -105,7 +156,7 @@ class DeadLetterWriter:
         self._ensure().send(
             self.topic,
             message.value,
-            key=message.key,
+            key=message.key or None,  # a foreign entry may hold an empty k
             headers=headers,
             message_id=f"{message.topic}/{message.partition}/{message.offset}",
         )
@@ -120,18 +171,28 @@ class DeadLetterWriter:
 def list_dead_letters(
     broker: Broker, topic: str, group: str, *, count: int | None = None
 ) -> list[DeadLetter]:
-    """The group's dead letters, oldest first."""
-    name = dead_letter_topic(topic, group)
+    """The group's dead letters, oldest first (also those still in a pre-"~" dead-letter topic,
+    taken only when their headers name this topic and group)."""
+    letters = _read_letters(broker, dead_letter_topic(topic, group))
+    legacy = _legacy_dead_letter_topic(topic, group)
+    if legacy is not None:
+        letters += [
+            d for d in _read_letters(broker, legacy) if d.topic == topic and d.group == group
+        ]
+    letters.sort(key=lambda d: d.message.timestamp_ms)
+    return letters[:count] if count is not None else letters
+
+
+def _read_letters(broker: Broker, name: str) -> list[DeadLetter]:
     try:
         config = broker.topic_config(name, refresh=True)
     except TopicNotFound:
         return []
-    letters = []
-    for p in range(config.partitions):
-        for message in broker.read(name, p, count=count):
-            letters.append(DeadLetter.from_message(message))
-    letters.sort(key=lambda d: d.message.timestamp_ms)
-    return letters[:count] if count is not None else letters
+    return [
+        DeadLetter.from_message(message)
+        for p in range(config.partitions)
+        for message in broker.read(name, p)
+    ]
 
 
 def replay_dead_letters(
@@ -143,15 +204,18 @@ def replay_dead_letters(
     key: bytes | None = None,
     to_topic: str | None = None,
 ) -> int:
-    """Send dead letters back to their topic (or to_topic), then delete them from the dead-letter
-    topic. offsets (dead-letter offsets) or key select some; neither selects all.
+    """Send dead letters back to the topic each came from (its x-redisq-topic header; to_topic
+    overrides), then delete them from the dead-letter topic. offsets (dead-letter offsets) or
+    key select some; neither selects all.
 
-    A replayed message is appended: it comes after whatever the topic received meanwhile. The
-    re-send uses message id "replay/<dead-letter offset>", so replaying twice after a crash
-    between the send and the delete writes it once (within the target's dedup window).
-    Returns how many were replayed.
+    A replayed message is appended: it comes after whatever the topic received meanwhile. It
+    carries its original key, value and headers (a malformed entry's readable ones: it comes
+    back as a well-formed message). The re-send uses message id "replay/<dead-letter
+    topic>/<offset>", so replaying twice after a crash between the send and the delete writes
+    it once (within the target's dedup window). Returns how many were replayed.
     """
-    name = dead_letter_topic(topic, group)
+    if to_topic is not None:
+        validate_topic(to_topic)
     wanted = set(offsets) if offsets is not None else None
     letters = [
         d
@@ -160,23 +224,40 @@ def replay_dead_letters(
     ]
     if not letters:
         return 0
-    target = to_topic or topic
     replayed = 0
-    with broker.producer(idempotence="message_id") as producer:
+    with broker.producer(idempotence="message_id", max_message_bytes=_LETTER_MAX_BYTES) as producer:
         for letter in letters:
+            target = to_topic or _origin(letter)
             producer.send(
                 target,
                 letter.message.value,
-                key=letter.message.key,
+                key=letter.message.key or None,
                 headers=letter.original_headers,
-                message_id=f"replay/{name}/{letter.message.offset}",
+                message_id=f"replay/{letter.stored_in}/{letter.message.offset}",
             )
             broker.client.xdel(
-                broker.keys.log(name, letter.message.partition), letter.message.offset
+                broker.keys.log(letter.stored_in, letter.message.partition), letter.message.offset
             )
             replayed += 1
-    log.info("replayed %d dead letters of %s/%s to %s", replayed, topic, group, target)
+            log.info(
+                "replayed dead letter %s@%s to %s", letter.stored_in, letter.message.offset, target
+            )
     return replayed
+
+
+def _origin(letter: DeadLetter) -> str:
+    """The topic a letter came from: its x-redisq-topic header, else the topic its dead-letter
+    topic's name was built from (a letter written by another client may lack the header)."""
+    try:
+        return validate_topic(letter.topic)
+    except InvalidName:
+        parsed = parse_dead_letter_topic(letter.stored_in)
+        if parsed is None:
+            raise InvalidName(
+                f"dead letter {letter.stored_in}@{letter.message.offset} names no valid source "
+                f"topic ({letter.topic!r}): replay it with to_topic"
+            ) from None
+        return parsed[0]
 
 
 def release_key(broker: Broker, topic: str, group: str, key: bytes | str) -> int:

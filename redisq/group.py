@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.errors import TopicNotFound
-from redisq.keys import validate_name, validate_topic
+from redisq.errors import InvalidName, TopicNotFound
+from redisq.keys import dead_letter_topic, validate_name, validate_topic
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -196,7 +196,12 @@ class MemberInfo:
 
 @dataclass(frozen=True, slots=True)
 class PartitionLag:
-    """One partition as a group sees it (XINFO GROUPS + lease + dead-letter state)."""
+    """One partition as a group sees it (XINFO GROUPS + lease + dead-letter state).
+
+    dead_letters counts every message the group dead-lettered from this partition; malformed
+    counts those of them that were malformed entries (not redisq messages: records.py). A
+    malformed entry held by policy block shows as blocked_offset, its blocked_error starting
+    with "MalformedEntry"."""
 
     partition: int
     length: int
@@ -214,6 +219,7 @@ class PartitionLag:
     blocked_offset: str | None = None
     blocked_error: str | None = None
     blocked_attempts: int | None = None
+    malformed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +243,10 @@ class GroupDescription:
     @property
     def total_pending(self) -> int:
         return sum(p.pending for p in self.partitions)
+
+    @property
+    def total_malformed(self) -> int:
+        return sum(p.malformed for p in self.partitions)
 
 
 def list_groups(broker: Broker, topic: str | None = None) -> list[tuple[str, str]]:
@@ -269,10 +279,8 @@ def _count_after(broker: Broker, key: str, last_delivered: str | None, cap: int 
 
 
 def describe_group(broker: Broker, topic: str, group: str) -> GroupDescription:
-    """Members, and per partition: lag, entries-read, pending, owner, lease age, dead letters,
-    parked keys and a blocked (poison) message, if any."""
-    from redisq.deadletter import dead_letter_topic
-
+    """Members, and per partition: lag, entries-read, pending, owner, lease age, dead letters
+    (and how many were malformed entries), parked keys and a blocked (poison) message, if any."""
     validate_name("group", group)
     keys = broker.keys
     client = broker.client
@@ -328,11 +336,15 @@ def describe_group(broker: Broker, topic: str, group: str) -> GroupDescription:
                 blocked_attempts=int(state["blocked_attempts"])
                 if "blocked_attempts" in state
                 else None,
+                malformed=int(state.get("malformed", 0)),
             )
         )
-    dlq = dead_letter_topic(topic, group)
     try:
-        dlq_messages = broker.describe_topic(dlq).total_messages
+        dlq = dead_letter_topic(topic, group)
+    except InvalidName:  # past the length limit (deeply nested): this group cannot have one
+        dlq = ""
+    try:
+        dlq_messages = broker.describe_topic(dlq).total_messages if dlq else 0
     except TopicNotFound:
         dlq_messages = 0
     except redis.RedisError:  # pragma: no cover - shown as 0 rather than failing describe

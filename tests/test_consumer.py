@@ -309,7 +309,7 @@ def test_poison_message_reaches_the_dead_letter_topic(broker: redisq.Broker) -> 
     description = describe_group(broker, "orders", "g")
     assert description.dead_letter_messages == 1
     assert sum(p.dead_letters for p in description.partitions) == 1
-    assert description.dead_letter_topic == dead_letter_topic("orders", "g") == "orders.g.dlq"
+    assert description.dead_letter_topic == dead_letter_topic("orders", "g") == "orders~dlq~g"
     # Replay: back to the topic, out of the dead-letter topic.
     assert replay_dead_letters(broker, "orders", "g") == 1
     assert list_dead_letters(broker, "orders", "g") == []
@@ -441,7 +441,7 @@ def test_cli_group_lag_dlq(
     assert "orders" in capsys.readouterr().out
     assert cli.main(["group", "describe", "orders", "g", *base]) == 0
     out = capsys.readouterr().out
-    assert "dead letters" in out and "orders.g.dlq" in out
+    assert "dead letters" in out and "orders~dlq~g" in out
     plot = tmp_path / "lag.png"
     assert cli.main(["lag", "orders", *base, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
