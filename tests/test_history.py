@@ -1,0 +1,230 @@
+"""Server faults, checked through the history checker (tests/history): producer and consumer
+processes record what they invoked, what was answered and what they handled; the test kills,
+stops, restarts or fails over the server, then reads the topic back and checks every property
+(tests/history/checker.py). Each test runs its own server processes on free loopback ports.
+
+Scenarios: SIGKILL + restart with AOF (appendfsync always); a restart that keeps nothing, with
+an old producer instance still sending while a new one starts; replica promotion under
+acks="replicas" (Sentinel, and Redis Cluster); the server SIGSTOPped past the consumers' lease.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import redisq
+from tests.history.deployments import (
+    node_id,
+    role,
+    start_cluster_with_replicas,
+    start_sentinel_deployment,
+)
+from tests.history.harness import (
+    DRAIN_S,
+    TOPIC,
+    Run,
+    assert_no_violations,
+    read_stored,
+)
+from tests.servers import ServerProcess, binary_for
+
+pytestmark = pytest.mark.fault
+
+KINDS = ["valkey", "redis"]
+PRODUCER = {"max_batch_messages": 50, "linger_ms": 2, "delivery_timeout_ms": 30_000}
+LEASE_TTL_MS = 1500
+
+
+def stored_at(url: str, namespace: str, partitions_topic: str = TOPIC) -> list:  # type: ignore[type-arg]
+    with redisq.connect(url, namespace=namespace) as reader:
+        return read_stored(reader, partitions_topic)
+
+
+def hold(seconds: float) -> None:
+    """The duration of a fault (a server or process kept stopped): not a wait for a condition."""
+    time.sleep(seconds)
+
+
+# -- SIGKILL and restart with AOF -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_server_sigkill_restart_with_aof(kind: str, tmp_path: Path) -> None:
+    """Acknowledged => stored once, in order, with producers and consumers running through a
+    SIGKILL of the server and its restart from an AOF written with appendfsync always."""
+    server = ServerProcess(
+        binary_for(kind), config={"appendonly": "yes", "appendfsync": "always"}
+    ).start()
+    with Run(tmp_path, server.url, servers=[server]) as run:
+        with redisq.connect(server.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=4)
+        producers = ["A", "B"]
+        run.producer("A", name="svc", options=PRODUCER)
+        run.producer("B", options=PRODUCER)
+        for proc in ("c1", "c2"):
+            run.consumer(proc, options={"lease_ttl_ms": LEASE_TTL_MS})
+        for proc in producers:
+            run.workers[proc].command("stream", count=1500, rate=600, keys=12)
+        run.wait_acked("A", 300)
+        run.wait_handled(200)
+        run.driver.kill_server(server)
+        run.driver.restart_server(server)
+        run.wait_streams(producers)
+        problems = run.close_producers(producers)
+        stored = stored_at(server.url, run.namespace)
+        run.wait_all_handled(stored)
+        run.finish_workers()
+        assert_no_violations(run.check(stored), problems)
+        assert len(stored) >= 2000, f"only {len(stored)} stored: the scenario barely ran"
+
+
+# -- restart without persistence: an old instance goes on while a new one starts -----------------
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["anonymous", "named"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_restart_without_persistence_old_and_new_instance(
+    kind: str, named: bool, tmp_path: Path
+) -> None:
+    """The server restarts with nothing (no AOF, no RDB); the test re-creates the topic. Producer
+    instance A keeps sending across the restart; then instance B starts (the same name for the
+    named variant, another anonymous producer otherwise) and both send.
+
+    Every send invoked after the restart and acknowledged (duplicate or not) must be stored,
+    once, where answered: a producer id or epoch handed out again after the restart must not
+    make the broker answer "duplicate" for batches it never stored. Named: once B has started,
+    nothing of A may land (no_fenced_writes)."""
+    server = ServerProcess(binary_for(kind)).start()
+    name = "svc" if named else None
+    with Run(tmp_path, server.url, servers=[server]) as run:
+        with redisq.connect(server.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=4)
+        run.producer("A", name=name, options=PRODUCER)
+        run.workers["A"].command("stream", count=None, rate=400, keys=8)
+        run.wait_acked("A", 200)
+        run.driver.kill_server(server)
+        run.driver.restart_server(server)
+        back_at = time.time() * 1000  # sends invoked after this reach the new server only
+        with redisq.connect(server.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=4)
+        run.driver.record("create_topic", "server", server)
+        acked = run.count("send_ok", "A")
+        run.wait_acked("A", acked + 200)  # A goes on after the restart
+        run.producer("B", name=name, options=PRODUCER)
+        run.workers["B"].command("stream", count=600, rate=400, keys=8)
+        run.wait_streams(["B"])
+        problems = run.close_producers(["B", "A"])
+        stored = stored_at(server.url, run.namespace)
+        run.finish_workers()
+        results = run.check(
+            stored,
+            ("acknowledged_stored_once", "key_order_in_log", "no_fenced_writes"),
+            lost_before=back_at,
+        )
+        assert_no_violations(results, problems)
+
+
+# -- replica promotion under acks="replicas" ------------------------------------------------------
+
+DURABLE = {**PRODUCER, "acks": "replicas", "ack_timeout_ms": 500}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sentinel_promotion_acks_replicas(kind: str, tmp_path: Path) -> None:
+    """Primary + two replicas + Sentinel; producers on a redis+sentinel:// url with
+    acks="replicas". The primary is SIGKILLed; Sentinel promotes a replica and the other follows
+    it. Every acknowledged message is on the new primary, once, in order."""
+    deployment = start_sentinel_deployment(binary_for(kind))
+    replicas = deployment.replicas
+    with Run(
+        tmp_path, deployment.url, time_url=replicas[0].url, servers=deployment.processes
+    ) as run:
+        with redisq.connect(deployment.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=4)
+        producers = ["A", "B"]
+        run.producer("A", name="svc", options=DURABLE)
+        run.producer("B", options=DURABLE)
+        for proc in producers:
+            run.workers[proc].command("stream", count=1200, rate=400, keys=12)
+        run.wait_acked("A", 300)
+        run.driver.kill_server(deployment.primary, "primary")
+        run.wait(lambda: deployment.master_port() in {r.port for r in replicas}, DRAIN_S,
+                 "Sentinel to promote a replica")  # fmt: skip
+        run.driver.record("promoted", f"127.0.0.1:{deployment.master_port()}")
+        run.wait_streams(producers)
+        problems = run.close_producers(producers)
+        stored = stored_at(deployment.url, run.namespace)
+        run.finish_workers()
+        results = run.check(stored, ("acknowledged_stored_once", "key_order_in_log"))
+        assert_no_violations(results, problems)
+        assert run.count("send_ok") >= 1200, run.summary()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", KINDS)
+def test_cluster_promotion_acks_replicas(kind: str, tmp_path: Path) -> None:
+    """Redis Cluster, three primaries with a replica each; producers with acks="replicas". The
+    primary serving partition 1 (not the seed node) is SIGKILLed; the cluster promotes its
+    replica; the old primary is restarted and rejoins as the new one's replica. Every
+    acknowledged message is stored once, in order."""
+    cluster = start_cluster_with_replicas(binary_for(kind))
+    with Run(
+        tmp_path, cluster.url, time_url=cluster.primaries[0].url, servers=cluster.processes
+    ) as run:
+        with redisq.connect(cluster.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=6)
+            owners = {cluster.owner_port(broker.keys.log(TOPIC, p)) for p in range(6)}
+        victims = [p for p in cluster.primaries[1:] if p.port in owners]
+        assert victims, f"every partition sits on the seed node: {owners}"
+        victim = victims[0]
+        replica = cluster.replica_of[victim.port]
+        producers = ["A", "B"]
+        run.producer("A", name="svc", options=DURABLE)
+        run.producer("B", options=DURABLE)
+        for proc in producers:
+            run.workers[proc].command("stream", count=1200, rate=400, keys=12)
+        run.wait_acked("A", 300)
+        victim_id = node_id(victim)
+        run.driver.kill_server(victim, f"primary {victim_id[:8]}")
+        run.wait(lambda: role(replica) == "master", DRAIN_S, "the replica to be promoted")
+        run.driver.record("promoted", f"127.0.0.1:{replica.port}")
+        run.driver.restart_server(victim, f"old primary {victim_id[:8]}")
+        run.wait(cluster.healthy, DRAIN_S, "the old primary to rejoin as a replica")
+        run.wait_streams(producers)
+        problems = run.close_producers(producers)
+        stored = stored_at(cluster.url, run.namespace)
+        run.finish_workers()
+        results = run.check(stored, ("acknowledged_stored_once", "key_order_in_log"))
+        assert_no_violations(results, problems)
+        assert run.count("send_ok") >= 1200, run.summary()
+
+
+# -- the server SIGSTOPped past the consumers' lease ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_server_sigstop_past_lease_ttl(kind: str, tmp_path: Path) -> None:
+    """The server is frozen (SIGSTOP) for twice the lease TTL while three members consume and a
+    producer sends: every lease runs out meanwhile. After SIGCONT: still one handler per
+    partition at a time, nothing lost, order per key."""
+    server = ServerProcess(binary_for(kind)).start()
+    with Run(tmp_path, server.url, servers=[server]) as run:
+        with redisq.connect(server.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=4)
+        run.producer("A", options=PRODUCER)
+        for proc in ("c1", "c2", "c3"):
+            run.consumer(proc, options={"lease_ttl_ms": LEASE_TTL_MS}, work_ms=3)
+        run.workers["A"].command("stream", count=1500, rate=500, keys=16)
+        run.wait_handled(200)
+        run.driver.stop_server(server)
+        hold(2 * LEASE_TTL_MS / 1000)
+        run.driver.cont_server(server)
+        run.wait_streams(["A"])
+        problems = run.close_producers(["A"])
+        stored = stored_at(server.url, run.namespace)
+        run.wait_all_handled(stored)
+        run.finish_workers()
+        assert_no_violations(run.check(stored), problems)
