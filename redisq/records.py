@@ -9,9 +9,11 @@ Any client can XADD to a partition stream, so an entry may not be one redisq wro
 shared by the consumer, `Broker.read` and the Spark reader:
 
 * ``p`` and ``s`` are ASCII decimal digits, at most 19, below 2**63 (`parse_id_field`), so they
-  fit Spark's bigint; ``h`` is a complete headers blob (`parse_headers`); ``v`` is present,
-  once. Keys, values and message ids are opaque bytes.
+  fit Spark's bigint; ``h`` is a complete headers blob (`parse_headers`); ``v`` is present.
+  Keys, values and message ids are opaque bytes.
 * Fields with other names are ignored, so an older consumer reads what a newer producer adds.
+* A name given twice counts with its last value, as redis-py's reply parsing reads it: every
+  path (raw replies, redis-py's parsed ones, Spark) then agrees on what an entry says.
 * An entry that breaks a rule decodes as a `MalformedMessage`: a Message carrying the reason,
   the raw fields, and every field that could be read. The consumer never hands one to a handler;
   the group's failure policy takes it.
@@ -303,7 +305,7 @@ def decode_entries(
                     flat[1], flat[3], flat[5], flat[7], flat[9]
                 )  # fmt: skip
             else:
-                found = _field_map(flat)
+                found = field_map(flat)
                 if found is None or b"v" not in found:
                     raise ValueError(offset)
                 get = found.get
@@ -352,15 +354,15 @@ def decode_entry(
     return decode_entries(topic, partition, [(entry_id, fields)])[0]
 
 
-def _field_map(flat: Any) -> dict[Any, Any] | None:
-    """An entry's fields as a dict, or None when they are not unique name/value pairs."""
+def field_map(flat: Any) -> dict[Any, Any] | None:
+    """An entry's fields (a flat list, or a dict) as a dict, the last value of a repeated name
+    counting; None when they do not pair up (the entry is then malformed)."""
     if type(flat) is dict:
         return flat
     if not isinstance(flat, list | tuple) or len(flat) % 2:
         return None
     it = iter(flat)
-    found = dict(zip(it, it, strict=True))
-    return found if len(found) * 2 == len(flat) else None
+    return dict(zip(it, it, strict=True))
 
 
 def _raw_pairs(flat: Any) -> list[tuple[bytes, bytes]]:
@@ -397,31 +399,22 @@ def _malformed(
         reasons.append("the entry has no fields")
     elif isinstance(flat, list | tuple) and len(flat) % 2:
         reasons.append(f"an odd number of field items ({len(flat)}): names and values do not pair")
-    first: dict[bytes, bytes] = {}
-    counts: dict[bytes, int] = {}
-    for name, value in pairs:
-        first.setdefault(name, value)
-        counts[name] = counts.get(name, 0) + 1
-    reasons += [
-        f"field {name.decode(errors='replace')!r} appears {n} times"
-        for name, n in counts.items()
-        if n > 1 and name in (b"k", b"v", b"h", b"m", b"p", b"s")
-    ]
-    if pairs and b"v" not in first:
+    last = dict(pairs)  # a repeated name counts with its last value (field_map)
+    if pairs and b"v" not in last:
         reasons.append("no value field 'v'")
     producer_id = sequence = None
-    if b"p" in first:
-        producer_id = parse_id_field(first[b"p"])
+    if b"p" in last:
+        producer_id = parse_id_field(last[b"p"])
         if producer_id is None:
-            reasons.append(f"producer id {_show(first[b'p'])} is not a decimal below 2**63")
-    if b"s" in first:
-        sequence = parse_id_field(first[b"s"])
+            reasons.append(f"producer id {_show(last[b'p'])} is not a decimal below 2**63")
+    if b"s" in last:
+        sequence = parse_id_field(last[b"s"])
         if sequence is None:
-            reasons.append(f"sequence {_show(first[b's'])} is not a decimal below 2**63")
+            reasons.append(f"sequence {_show(last[b's'])} is not a decimal below 2**63")
     headers: dict[str, bytes] = {}
-    if first.get(b"h"):
+    if last.get(b"h"):
         try:
-            headers = decode_headers(first[b"h"])
+            headers = decode_headers(last[b"h"])
         except ValueError as exc:
             reasons.append(str(exc))
     dash = offset.find("-")
@@ -433,13 +426,13 @@ def _malformed(
         topic=topic,
         partition=partition,
         offset=offset,
-        key=first.get(b"k"),
-        value=first.get(b"v", b""),
+        key=last.get(b"k"),
+        value=last.get(b"v", b""),
         headers=headers,
         timestamp_ms=ms,
         producer_id=producer_id,
         sequence=sequence,
-        message_id=first.get(b"m"),
+        message_id=last.get(b"m"),
         attempt=attempt,
         reason="; ".join(reasons),
         raw_fields=tuple(pairs),

@@ -8,6 +8,13 @@ exactly. Offsets are stream IDs. A streaming offset is {topic: {partition: next 
 sorted (json.dumps(offset) is compared as a string by Spark, so the order must be canonical).
 
 The format is "redisq", not "redis": a JVM data source of that name would win.
+
+Entries that are not redisq messages (written by another client; see redisq/records.py, whose
+rules apply here too) do not fail a query: a field the query reads but cannot parse is null
+(value when there is no "v", headers for a damaged blob, producer_id / sequence when
+they are not decimals below 2**63), and each task logs how many such entries it read. The check
+covers the columns the query reads. With failOnMalformed=true the first one fails the query
+with records.MalformedEntry naming the topic, partition and offset.
 """
 
 from __future__ import annotations
@@ -42,6 +49,13 @@ from pyspark.sql.types import StructType
 
 import redisq
 from redisq.errors import InvalidConfig, PartitionOutOfRange, RedisqError
+from redisq.records import (
+    MalformedEntry,
+    decode_entry,
+    offset_parts,
+    parse_headers,
+    parse_id_field,
+)
 
 log = logging.getLogger("redisq.spark.source")
 
@@ -86,6 +100,7 @@ READ_OPTIONS = (
     "includeHeaders",
     "includeMetadata",
     "failOnDataLoss",
+    "failOnMalformed",
     "fetchCount",
     "path",
     "checkpointLocation",
@@ -173,6 +188,7 @@ class ReadOptions:
     include_headers: bool = False
     include_metadata: bool = False
     fail_on_data_loss: bool = True
+    fail_on_malformed: bool = False
     fetch_count: int = DEFAULT_FETCH_COUNT
 
     @classmethod
@@ -231,6 +247,9 @@ class ReadOptions:
                 "includeMetadata", option(options, "includeMetadata"), False
             ),
             fail_on_data_loss=parse_bool("failOnDataLoss", option(options, "failOnDataLoss"), True),
+            fail_on_malformed=parse_bool(
+                "failOnMalformed", option(options, "failOnMalformed"), False
+            ),
             fetch_count=parse_int("fetchCount", option(options, "fetchCount"), 1)
             or DEFAULT_FETCH_COUNT,
         )
@@ -250,15 +269,15 @@ def parse_assign(text: str) -> dict[str, tuple[int, ...]]:
 
 
 # -- stream IDs and offsets -------------------------------------------------------------------
-_ID_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
 EARLIEST, LATEST = "earliest", "latest"
 
 
 def id_parts(stream_id: str) -> tuple[int, int]:
-    match = _ID_RE.match(stream_id)
-    if not match:
-        raise InvalidConfig(f"{stream_id!r} is not a stream ID <ms>-<seq>")
-    return int(match.group(1)), int(match.group(2) or 0)
+    """records.offset_parts for IDs from options: InvalidConfig, the option error, if invalid."""
+    try:
+        return offset_parts(stream_id)
+    except ValueError as exc:
+        raise InvalidConfig(str(exc)) from None
 
 
 def normalize_id(stream_id: str) -> str:
@@ -530,8 +549,41 @@ def schema_ddl(include_headers: bool, include_metadata: bool) -> str:
     return ", ".join(f"{name} {ddl}" for name, ddl, _ in columns)
 
 
-def _entry_fields(fields: Sequence[bytes]) -> dict[bytes, bytes]:
-    return dict(zip(fields[::2], fields[1::2], strict=True))
+class MalformedCount:
+    """Entries of one task whose read fields could not be parsed: how many, and the first."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: MalformedEntry | None = None
+
+    def add(self, topic: str, partition: int, entry: Any) -> None:
+        self.count += 1
+        if self.first is None:
+            # The shared decoder words the reason, so Spark and the consumer say the same.
+            entry_id, fields = entry
+            message = decode_entry(topic, partition, entry_id, fields)
+            reason = getattr(message, "reason", "") or "a field the query reads is malformed"
+            self.first = MalformedEntry(topic, partition, message.offset, reason)
+
+
+_ID_DIGITS = r"^[0-9]{1,19}$"  # records.parse_id_field's rule, as an RE2 pattern
+
+
+def _id_column(raw: list[bytes | None]) -> tuple[pa.Array, list[int]]:
+    """producer_id / sequence values as int64 under records.parse_id_field's rule: null where
+    it fails. Returns the column and the indexes of the values that failed. Vectorised when
+    every value passes (the usual case); otherwise parse_id_field decides, value by value."""
+    column = pa.array(raw, pa.binary())
+    present = len(raw) - column.null_count
+    digits = pc.match_substring_regex(column, _ID_DIGITS)
+    if (pc.sum(digits).as_py() or 0) == present:
+        try:
+            return pc.cast(pc.cast(column, pa.string()), pa.int64()), []
+        except pa.ArrowInvalid:  # 19 digits above 2**63 - 1
+            pass
+    parsed = [parse_id_field(v) if v is not None else None for v in raw]
+    bad = [i for i, v in enumerate(raw) if v is not None and parsed[i] is None]
+    return pa.array(parsed, pa.int64()), bad
 
 
 def to_record_batch(
@@ -541,18 +593,21 @@ def to_record_batch(
     include_headers: bool,
     include_metadata: bool,
     schema: pa.Schema,
+    malformed: MalformedCount | None = None,
 ) -> pa.RecordBatch:
     """Raw XRANGE entries as one Arrow batch with exactly the schema's types (Spark checks
-    them strictly: INT is int32, TIMESTAMP is timestamp[us, tz=UTC])."""
-    from redisq.records import decode_headers
+    them strictly: INT is int32, TIMESTAMP is timestamp[us, tz=UTC]).
 
+    Fields are parsed by records.py's rules; what the query reads but cannot parse is null,
+    and each such entry is counted once in `malformed`."""
     n = len(entries)
     ids: list[bytes] = []
     keys: list[bytes | None] = []
     values: list[bytes | None] = []
     details = include_headers or include_metadata
     dicts: list[dict[bytes, bytes]] = []
-    for entry_id, fields in entries:
+    bad: set[int] = set()
+    for i, (entry_id, fields) in enumerate(entries):
         ids.append(entry_id)
         # The produce scripts write k (if any) and v first: the common shapes skip the dict.
         if not details and len(fields) >= 4 and fields[0] == b"k" and fields[2] == b"v":
@@ -562,7 +617,12 @@ def to_record_batch(
             keys.append(None)
             values.append(fields[1])
         else:
-            found = _entry_fields(fields)
+            # records.field_map's rule, inlined (this loop is the scan's hot path): the last
+            # value of a repeated name counts; no value, or an odd list, is malformed.
+            it = iter(fields)
+            found = dict(zip(it, it, strict=False))
+            if b"v" not in found or len(fields) % 2:
+                bad.add(i)
             keys.append(found.get(b"k"))
             values.append(found.get(b"v"))
             if details:
@@ -582,19 +642,24 @@ def to_record_batch(
         pc.cast(pc.multiply(ms, 1000), pa.timestamp("us", tz="UTC")),
     ]
     if include_headers:
-        columns.append(
-            pa.array(
-                [
-                    [{"key": k, "value": v} for k, v in decode_headers(d.get(b"h")).items()]
-                    for d in dicts
-                ],
-                HEADER_COLUMNS[0][2],
-            )
-        )
+        headers: list[list[dict[str, Any]] | None] = []
+        for i, d in enumerate(dicts):
+            parsed = parse_headers(d.get(b"h"))
+            if parsed is None:
+                bad.add(i)
+                headers.append(None)
+            else:
+                headers.append([{"key": k, "value": v} for k, v in parsed.items()])
+        columns.append(pa.array(headers, HEADER_COLUMNS[0][2]))
     if include_metadata:
-        columns.append(pc.cast(pa.array([d.get(b"p") for d in dicts], pa.string()), pa.int64()))
-        columns.append(pc.cast(pa.array([d.get(b"s") for d in dicts], pa.string()), pa.int64()))
+        for name in (b"p", b"s"):
+            column, failed = _id_column([d.get(name) for d in dicts])
+            bad.update(failed)
+            columns.append(column)
         columns.append(pa.array([d.get(b"m") for d in dicts], pa.binary()))
+    if malformed is not None:
+        for i in sorted(bad):
+            malformed.add(topic, partition, entries[i])
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
@@ -604,20 +669,36 @@ def read_range(opts: ReadOptions, part: RangePartition) -> Iterator[pa.RecordBat
     key = broker.keys.log(part.topic, part.partition)
     schema = arrow_schema(opts.include_headers, opts.include_metadata)
     checked = False
+    malformed = MalformedCount()
     for entries in _xrange_chunks(broker.client, key, part.start, part.end, opts.fetch_count):
         if not checked:
             # After the first read: anything trimmed before it is visible to this check.
             _check_data_loss(broker, opts, part)
             checked = True
         if entries:
-            yield to_record_batch(
+            batch = to_record_batch(
                 entries,
                 part.topic,
                 part.partition,
                 opts.include_headers,
                 opts.include_metadata,
                 schema,
+                malformed,
             )
+            if malformed.first is not None and opts.fail_on_malformed:
+                raise malformed.first
+            yield batch
+    if malformed.first is not None:
+        log.warning(
+            "%s/%d [%s, %s): %d malformed entries read with null fields (first %s); "
+            "failOnMalformed=true fails the query instead",
+            part.topic,
+            part.partition,
+            part.start,
+            part.end,
+            malformed.count,
+            malformed.first,
+        )
 
 
 def _xrange_chunks(client: Any, key: str, start: str, end: str, count: int) -> Iterator[Any]:
