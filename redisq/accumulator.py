@@ -366,7 +366,10 @@ class ProducerCore:
         """Replies of these batches are lost: each may or may not have been stored. They go
         again (the window answers the stored ones as duplicates, with their offsets)."""
         self.cautious = True
-        self.last_error = error
+        # A read that ran into the delivery deadline says less than what came before it (the
+        # replicas that did not acknowledge, the server that refused): keep that one.
+        if self.last_error is None or type(error).__name__ != "DeadlineReached":
+            self.last_error = error
         for batch in batches:
             if batch.in_flight:
                 batch.in_flight = False

@@ -335,9 +335,12 @@ class Producer:
         with self._cond:
             needed = sorted(self._core.fences_needed)
         try:
+            registered: set[str] = set()
             for topic, p in needed:
                 config = self._topic_config(topic)
-                self._scripts.run(protocol.register_topic(self._keys, self.identity, topic))
+                if topic not in registered:
+                    self._scripts.run(protocol.register_topic(self._keys, self.identity, topic))
+                    registered.add(topic)
                 self._scripts.run(protocol.fence_partition(self._keys, self.identity, config, p))
                 with self._cond:
                     self._core.partition_fenced((topic, p))
@@ -579,6 +582,7 @@ class Producer:
                     with self._cond:
                         for round_ in outstanding:
                             core.connection_lost(round_.batches(), exc)
+                        core.connection_lost(work, exc)  # picked, maybe partly written
                         outstanding.clear()
                         core.expire(time.monotonic())
                         self._cond.notify_all()
@@ -590,6 +594,7 @@ class Producer:
                     with self._cond:
                         for round_ in outstanding:
                             core.connection_lost(round_.batches(), exc)
+                        core.connection_lost(work, exc)
                         outstanding.clear()
                         core.fail_unknown(errors.RedisqError(f"sender failed: {exc!r}"), None)
                         self._cond.notify_all()
@@ -675,6 +680,10 @@ class Producer:
                             if isinstance(reply, redis.ResponseError)
                             else None
                         )
+                        if isinstance(mapped, errors.TopicNotFound):
+                            # Deleted under us: the next send reads the metadata again.
+                            self._topics.pop(batch.topic, None)
+                            self.broker.forget_topic(batch.topic)
                         core.refused(batch, mapped or reply)
                         retry = True
                     elif durable_error is not None:

@@ -49,6 +49,10 @@ def _restore_error_code(exc: redis.ResponseError) -> None:
         exc.args = (f"{code} {exc.args[0]}", *exc.args[1:])
 
 
+class DeadlineReached(redis.TimeoutError):
+    """No reply before the caller's deadline (a silent socket): the connection is dropped."""
+
+
 class Redirect(Exception):
     """A cluster redirection (MOVED or ASK) for one command: the command did not run."""
 
@@ -105,6 +109,9 @@ class Transport:
             # of ours unread.
             options = {**pool.connection_kwargs, "socket_timeout": self._socket_timeout_s}
             conn = pool.connection_class(**options)
+            # connect() now: a Sentinel-managed connection asks the sentinels for the master
+            # there (a first write would connect to its default host instead).
+            conn.connect()
             self._connections[node] = conn
         return conn
 
@@ -123,7 +130,7 @@ class Transport:
                 and self._bounded_reads
                 and not conn.can_read(max(0.0, deadline - time.monotonic()))
             ):
-                raise redis.TimeoutError(f"no reply from {node} within the delivery timeout")
+                raise DeadlineReached(f"no reply from {node} within the delivery timeout")
             try:
                 replies.append(conn.read_response())
             except redis.ResponseError as exc:

@@ -1,0 +1,67 @@
+"""Topic administration scripts: create, grow and delete topics (DESIGN §2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redisq.keys import KeySpace
+from redisq.protocol import ScriptCall, text
+from redisq.topic import TopicConfig
+
+# The metadata hash's fields, in the order create_topic writes them.
+TOPIC_FIELDS = (
+    "partitions",
+    "retention_ms",
+    "retention_messages",
+    "dedup_window_ms",
+    "producer_state_ttl_ms",
+    "created_ms",
+    "topic_id",
+)
+
+
+def create_partition(keys: KeySpace, topic: str, partition: int) -> ScriptCall[bool]:
+    """create_partition.lua: an empty partition stream (True if created now)."""
+    return ScriptCall(
+        "create_partition", (keys.log(topic, partition),), (), lambda r: bool(int(r)), topic
+    )
+
+
+def create_topic(keys: KeySpace, config: TopicConfig) -> ScriptCall[Any]:
+    """create_topic.lua: the metadata, written last (the partitions exist before it); raises
+    TopicExists."""
+    fields: list[Any] = []
+    for name in TOPIC_FIELDS:
+        fields += [name, getattr(config, name)]
+    return ScriptCall(
+        "create_topic",
+        (keys.topics(), keys.topic_meta(config.name)),
+        (config.name, *fields),
+        topic=config.name,
+    )
+
+
+def grow_topic(keys: KeySpace, topic: str, partitions: int) -> ScriptCall[int]:
+    """grow_topic.lua: raise the partition count (the new streams exist before it); returns the
+    previous count. Error PARTITIONS_NOT_GREATER when grown concurrently."""
+    return ScriptCall("grow_topic", (keys.topic_meta(topic),), (partitions,), int, topic)
+
+
+def delete_topic(keys: KeySpace, topic: str) -> ScriptCall[int]:
+    """delete_topic.lua: remove the metadata; returns the partition count it had."""
+    return ScriptCall(
+        "delete_topic", (keys.topics(), keys.topic_meta(topic)), (topic,), int, topic
+    )
+
+
+def _count_reply(reply: Any) -> tuple[int, str]:
+    return int(reply[0]), text(reply[1])
+
+
+def count_range(
+    keys: KeySpace, topic: str, partition: int, start: str, end: str, limit: int
+) -> ScriptCall[tuple[int, str]]:
+    """count_range.lua: (entries in [start, end) up to limit, the ID of the last one counted)."""
+    return ScriptCall(
+        "count_range", (keys.log(topic, partition),), (start, end, limit), _count_reply, topic
+    )
