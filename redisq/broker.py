@@ -208,6 +208,10 @@ class Broker:
         self._topic_cache[topic] = (time.monotonic(), config)
         return config
 
+    def forget_topic(self, topic: str) -> None:
+        """Drop the cached metadata (a producer was told the topic no longer exists)."""
+        self._topic_cache.pop(topic, None)
+
     def check_partition(self, topic: str, partition: object) -> int:
         config = self.topic_config(topic)
         if isinstance(partition, bool) or not isinstance(partition, int):
