@@ -8,7 +8,7 @@ with broker.producer(name="order-service") as producer:
 """
 
 from redisq import errors
-from redisq.broker import Broker, PartitionInfo, TopicConfig, TopicDescription, connect
+from redisq.broker import Broker, connect
 from redisq.consumer import Consumer
 from redisq.errors import (
     DeliveryTimeout,
@@ -30,6 +30,7 @@ from redisq.idempotent import idempotent
 from redisq.partitioner import partition_for_key
 from redisq.producer import Producer, SendFuture
 from redisq.records import Message, RecordMetadata
+from redisq.topic import PartitionInfo, TopicConfig, TopicDescription
 
 __version__ = "0.1.0"
 

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.cluster import RedisCluster
-from redis.exceptions import ResponseError
 
-from redisq import connection
-from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicExists, TopicNotFound, check_int
+from redisq import admin, connection
+from redisq.admin import MAX_PARTITIONS
+from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicNotFound
 from redisq.keys import KeySpace, validate_topic
+from redisq.protocol import Operation, run_operation
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import Scripts, is_fake
 from redisq.topic import (
-    DEFAULT_DEDUP_WINDOW_MS,
     DEFAULT_PRODUCER_STATE_TTL_MS,
-    PartitionInfo,
     TopicConfig,
     TopicDescription,
 )
@@ -30,7 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("redisq.broker")
 
-MAX_PARTITIONS = 4096
+T = TypeVar("T")
+__all__ = ["MAX_PARTITIONS", "Broker", "connect"]
 
 
 class Broker:
@@ -69,6 +68,9 @@ class Broker:
         self.client.close()
 
     # -- topics ------------------------------------------------------------------------------
+    def _run(self, operation: Operation[T]) -> T:
+        return run_operation(operation, self.scripts.execute)
+
     def create_topic(
         self,
         topic: str,
@@ -87,83 +89,34 @@ class Broker:
         (idempotence="message_id"); by default the retention age, else 24 h.
         With exist_ok, an existing topic is returned as it is.
         """
-        validate_topic(topic)
-        check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
-        check_int("retention_ms", retention_ms)
-        check_int("retention_messages", retention_messages)
-        check_int("producer_state_ttl_ms", producer_state_ttl_ms, minimum=1000)
-        if dedup_window_ms is None:
-            dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
-        check_int("dedup_window_ms", dedup_window_ms, minimum=1000)
-        existing = self._read_config(topic)
-        if existing is not None:
-            if exist_ok:
-                return existing
-            raise TopicExists(topic)
-        config = TopicConfig(
-            name=topic,
-            partitions=partitions,
-            retention_ms=retention_ms,
-            retention_messages=retention_messages,
-            dedup_window_ms=dedup_window_ms,
-            producer_state_ttl_ms=producer_state_ttl_ms,
-            created_ms=int(time.time() * 1000),
-            topic_id=secrets.token_hex(8),
-        )
-        for p in range(partitions):
-            self.scripts.call("create_partition", [self.keys.log(topic, p)], [])
-        fields: list[Any] = []
-        for name in (
-            "partitions",
-            "retention_ms",
-            "retention_messages",
-            "dedup_window_ms",
-            "producer_state_ttl_ms",
-            "created_ms",
-            "topic_id",
-        ):
-            fields += [name, getattr(config, name)]
-        try:
-            self.scripts.call(
-                "create_topic",
-                [self.keys.topics(), self.keys.topic_meta(topic)],
-                [topic, *fields],
-                topic=topic,
+        config = self._run(
+            admin.create_topic(
+                self.keys,
+                topic,
+                partitions,
+                retention_ms=retention_ms,
+                retention_messages=retention_messages,
+                dedup_window_ms=dedup_window_ms,
+                producer_state_ttl_ms=producer_state_ttl_ms,
+                exist_ok=exist_ok,
             )
-        except TopicExists:  # created concurrently
-            if exist_ok:
-                return self.topic_config(topic, refresh=True)
-            raise
+        )
         self._topic_cache[topic] = (time.monotonic(), config)
-        log.info("created topic %s with %d partitions", topic, partitions)
+        log.info("topic %s: %d partitions", topic, config.partitions)
         return config
 
     def add_partitions(self, topic: str, partitions: int) -> TopicConfig:
         """Grow a topic to `partitions` partitions (shrinking is never allowed).
 
         As in Kafka, keys hash to other partitions afterwards: order per key holds only among
-        messages sent with the same partition count. Producers see the new count within their
-        metadata refresh (30 s) or at once when they are created afterwards.
+        messages sent with the same partition count. Producers and consumers use the new
+        partitions within their metadata_max_age_ms (5 s by default).
         """
-        config = self.topic_config(topic, refresh=True)
-        check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
-        if partitions <= config.partitions:
-            raise InvalidConfig(
-                f"partitions={partitions}: topic {topic!r} has {config.partitions}; "
-                "partitions can only be added"
-            )
-        for p in range(config.partitions, partitions):
-            self.scripts.call("create_partition", [self.keys.log(topic, p)], [])
-        try:
-            self.scripts.call(
-                "grow_topic", [self.keys.topic_meta(topic)], [partitions], topic=topic
-            )
-        except ResponseError as exc:
-            if str(exc).startswith("PARTITIONS_NOT_GREATER"):  # grown concurrently
-                raise InvalidConfig(f"topic {topic!r}: {exc}") from None
-            raise
-        log.info("topic %s grown from %d to %d partitions", topic, config.partitions, partitions)
-        return self.topic_config(topic, refresh=True)
+        before = self.topic_config(topic, refresh=True)
+        config = self._run(admin.add_partitions(self.keys, topic, partitions))
+        self._topic_cache[topic] = (time.monotonic(), config)
+        log.info("topic %s grown from %d to %d partitions", topic, before.partitions, partitions)
+        return config
 
     def trim(self, topic: str) -> int:
         """Apply the topic's retention to every partition now; returns the entries removed.
@@ -171,27 +124,7 @@ class Broker:
         Producers trim as they write (approximately, at most 10,000 entries per write); a
         partition that is no longer written to keeps its old entries until this runs.
         """
-        config = self.topic_config(topic, refresh=True)
-        seconds, micros = self.client.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        removed = 0
-        for p in range(config.partitions):
-            key = self.keys.log(topic, p)
-            if config.retention_messages:
-                removed += int(
-                    self.client.xtrim(key, maxlen=config.retention_messages, approximate=False)
-                )
-            if config.retention_ms and now_ms > config.retention_ms:
-                removed += int(
-                    self.client.xtrim(
-                        key, minid=str(now_ms - config.retention_ms), approximate=False
-                    )
-                )
-        return removed
-
-    def _read_config(self, topic: str) -> TopicConfig | None:
-        raw = self.client.hgetall(self.keys.topic_meta(topic))
-        return TopicConfig.from_hash(topic, raw) if raw else None
+        return self._run(admin.trim(self.keys, topic))
 
     def topic_config(
         self, topic: str, *, refresh: bool = False, max_age_s: float = 30.0
@@ -201,10 +134,11 @@ class Broker:
         cached = self._topic_cache.get(topic)
         if cached and not refresh and time.monotonic() - cached[0] < max_age_s:
             return cached[1]
-        config = self._read_config(topic)
-        if config is None:
+        try:
+            config = self._run(admin.topic_config(self.keys, topic))
+        except TopicNotFound:
             self._topic_cache.pop(topic, None)
-            raise TopicNotFound(topic)
+            raise
         self._topic_cache[topic] = (time.monotonic(), config)
         return config
 
@@ -221,44 +155,24 @@ class Broker:
         return partition
 
     def list_topics(self) -> list[str]:
-        return sorted(m.decode() for m in self.client.smembers(self.keys.topics()))
+        return self._run(admin.list_topics(self.keys))
 
     def describe_topic(self, topic: str) -> TopicDescription:
-        """Partitions with their lengths and first/last offsets (XINFO STREAM)."""
-        config = self.topic_config(topic, refresh=True)
-        infos = []
-        for p in range(config.partitions):
-            key = self.keys.log(topic, p)
-            info = self.client.xinfo_stream(key)
-            first = info.get("first-entry")
-            last = info.get("last-entry")
-            node = None
-            if self.is_cluster:
-                target = self.client.get_node_from_key(key)
-                node = f"{target.host}:{target.port}"
-            infos.append(
-                PartitionInfo(
-                    partition=p,
-                    length=int(info.get("length", 0)),
-                    first_offset=first[0].decode() if first else None,
-                    last_offset=last[0].decode() if last else None,
-                    node=node,
-                )
-            )
-        return TopicDescription(config=config, partitions=infos)
+        """Partitions with their lengths and first/last offsets (XINFO STREAM, pipelined), and
+        on a cluster the node serving each."""
+        nodes = None
+        if self.is_cluster:
+            config = self.topic_config(topic, refresh=True)
+            nodes = {}
+            for p in range(config.partitions):
+                target = self.client.get_node_from_key(self.keys.log(topic, p))
+                nodes[p] = f"{target.host}:{target.port}"
+        return self._run(admin.describe_topic(self.keys, topic, nodes))
 
     def delete_topic(self, topic: str) -> None:
         """Delete the topic's metadata, then every key of its partitions (streams, producer
         state, dedup buckets). Producers writing to it afterwards get TopicNotFound."""
-        validate_topic(topic)
-        partitions = int(
-            self.scripts.call(
-                "delete_topic",
-                [self.keys.topics(), self.keys.topic_meta(topic)],
-                [topic],
-                topic=topic,
-            )
-        )
+        partitions = self._run(admin.delete_topic(self.keys, topic))
         self._topic_cache.pop(topic, None)
         for p in range(partitions):
             doomed = list(

@@ -12,13 +12,16 @@ import hashlib
 import re
 from collections.abc import Sequence
 from functools import cache
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from redisq.errors import from_reply
-from redisq.protocol import ScriptCall
+from redisq.protocol import Command, ScriptCall, Steps
 from redisq.protocol.resp import command, decode_bulks
 
 T = TypeVar("T")
@@ -26,24 +29,37 @@ T = TypeVar("T")
 _INCLUDE = re.compile(r"^-- #include (\S+)\s*$", re.MULTILINE)
 
 
-def lua_dir() -> Path:
-    """The installed wheel carries lua/ inside the package; a source checkout has it beside it."""
-    packaged = Path(__file__).with_name("lua")
+def lua_dir() -> Traversable:
+    """The installed wheel carries lua/ inside the package (read through importlib.resources,
+    so a zipped package works too, as on Spark executors with addPyFile); a source checkout has
+    it beside the package."""
+    packaged = resources.files("redisq") / "lua"
     if packaged.is_dir():
         return packaged
     return Path(__file__).resolve().parent.parent / "lua"
+
+
+def _read(root: Traversable, relative: str) -> str:
+    node = root
+    for part in relative.split("/"):
+        node = node / part
+    return node.read_text(encoding="utf-8")
 
 
 @cache
 def read_source(name: str) -> str:
     """The flattened source of lua/<name>.lua."""
     root = lua_dir()
-    text = (root / f"{name}.lua").read_text(encoding="utf-8")
-    return _INCLUDE.sub(lambda m: (root / m.group(1)).read_text(encoding="utf-8"), text)
+    text = _read(root, f"{name}.lua")
+    return _INCLUDE.sub(lambda m: _read(root, m.group(1)), text)
 
 
 def script_names() -> list[str]:
-    return sorted(p.stem for p in lua_dir().glob("*.lua"))
+    return sorted(
+        entry.name.removesuffix(".lua")
+        for entry in lua_dir().iterdir()
+        if entry.name.endswith(".lua") and entry.is_file()
+    )
 
 
 def is_fake(client: Any) -> bool:
@@ -61,10 +77,11 @@ class Script:
 
 
 class Scripts:
-    """The script registry of one broker connection."""
+    """The script registry of one broker connection, and the sync executor of protocol steps."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
+        self._cluster = isinstance(client, RedisCluster)
         shebang = not is_fake(client)
         self._scripts = {name: Script(name, shebang) for name in script_names()}
 
@@ -107,6 +124,59 @@ class Scripts:
         if call.body_count:
             args = [*args, *decode_bulks(call.body, call.body_count)]
         return call.decode(self.call(call.script, call.keys, args, topic=call.topic))
+
+    def execute(self, steps: Steps) -> Any:
+        """Run protocol steps (see redisq.protocol.run_operation): a ScriptCall, a Command, or a
+        list of them, pipelined (one round trip), whose results come back in order with the
+        exception in place of a failed step's result."""
+        if isinstance(steps, ScriptCall):
+            return self.run(steps)
+        if isinstance(steps, Command):
+            return steps.decode(self._client.execute_command(*steps.args))
+        if not steps:
+            return []
+        if self._cluster and any(isinstance(step, ScriptCall) for step in steps):
+            # A cluster pipeline refuses EVALSHA: scripts go one at a time.
+            results: list[Any] = []
+            for step in steps:
+                try:
+                    results.append(self.execute(step))
+                except Exception as exc:
+                    results.append(exc)
+            return results
+        return self._pipeline(steps)
+
+    def _pipeline(self, steps: list[ScriptCall[Any] | Command[Any]]) -> list[Any]:
+        replies = self._raw_pipeline(steps)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:  # NOSCRIPT: those did not run; load them and send just those again
+            for i in missing:
+                self.load(steps[i].script)  # type: ignore[union-attr]
+            again = self._raw_pipeline([steps[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        results: list[Any] = []
+        for step, reply in zip(steps, replies, strict=True):
+            if isinstance(reply, ResponseError):
+                topic = step.topic if isinstance(step, ScriptCall) else "?"
+                results.append(from_reply(str(reply), topic) or reply)
+            elif isinstance(reply, Exception):
+                results.append(reply)
+            else:
+                results.append(step.decode(reply))
+        return results
+
+    def _raw_pipeline(self, steps: list[ScriptCall[Any] | Command[Any]]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for step in steps:
+            if isinstance(step, ScriptCall):
+                args = step.args
+                if step.body_count:
+                    args = [*args, *decode_bulks(step.body, step.body_count)]
+                pipe.evalsha(self._scripts[step.script].sha, len(step.keys), *step.keys, *args)
+            else:
+                pipe.execute_command(*step.args)
+        return list(pipe.execute(raise_on_error=False))
 
     def pack(self, call: ScriptCall[Any]) -> bytes:
         """The call as one RESP EVALSHA command, for a connection written to directly."""

@@ -3,16 +3,21 @@
 Each function takes domain objects (a topic's config, a producer identity, a sealed batch, a
 lease) and returns a `ScriptCall`: the script's name, its KEYS and ARGV in the order the script's
 header gives, and the decoder of its reply. Nothing here does I/O. A caller sends the call (sync:
-`Scripts.run`, asyncio: `AsyncScripts.run`, the producer's pipelined transport: `ScriptCall.pack`)
+`Scripts.run`, asyncio: `AsyncScripts.run`, the producer's pipelined transport: `Scripts.pack`)
 and hands the raw reply to `call.decode`. Error replies become typed exceptions in one place,
 `redisq.errors.from_reply`.
+
+Operations of more than one step (create a topic, describe a group) are written once, as
+generators that yield steps (a ScriptCall, a plain `Command`, or a list of them to pipeline) and
+receive each step's decoded result; `run_operation` drives one with a sync executor, the asyncio
+API drives the same generator with an async one.
 
 This is the only code that knows a script's KEYS/ARGV layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -40,6 +45,37 @@ class ScriptCall(Generic[T]):
     body_count: int = 0
 
 
+@dataclass(slots=True)
+class Command(Generic[T]):
+    """A plain Redis command and the decoder of its reply (redis-py's raw reply, bytes)."""
+
+    args: tuple[Any, ...]
+    decode: Callable[[Any], T] = _identity
+
+
+Step = ScriptCall[Any] | Command[Any]
+# A step, or a list of steps sent together (pipelined); a list's result is the list of results,
+# with an exception object in place of a failed step's result.
+Steps = Step | list[Step]
+Operation = Generator[Steps, Any, T]
+
+
+def run_operation(operation: Operation[T], execute: Callable[[Steps], Any]) -> T:
+    """Drive an operation: each yielded step goes to execute(), its result (or the exception it
+    raised) back into the generator, until it returns."""
+    try:
+        steps = next(operation)
+        while True:
+            try:
+                result = execute(steps)
+            except Exception as exc:
+                steps = operation.throw(exc)
+            else:
+                steps = operation.send(result)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
 def text(value: Any) -> str:
     """A reply element as str (replies stay bytes: values are binary)."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -49,4 +85,13 @@ def optional_text(value: Any) -> str | None:
     return None if value is None else text(value)
 
 
-__all__ = ["ScriptCall", "optional_text", "text"]
+__all__ = [
+    "Command",
+    "Operation",
+    "ScriptCall",
+    "Step",
+    "Steps",
+    "optional_text",
+    "run_operation",
+    "text",
+]

@@ -49,9 +49,7 @@ def grow_topic(keys: KeySpace, topic: str, partitions: int) -> ScriptCall[int]:
 
 def delete_topic(keys: KeySpace, topic: str) -> ScriptCall[int]:
     """delete_topic.lua: remove the metadata; returns the partition count it had."""
-    return ScriptCall(
-        "delete_topic", (keys.topics(), keys.topic_meta(topic)), (topic,), int, topic
-    )
+    return ScriptCall("delete_topic", (keys.topics(), keys.topic_meta(topic)), (topic,), int, topic)
 
 
 def _count_reply(reply: Any) -> tuple[int, str]:

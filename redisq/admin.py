@@ -1,0 +1,185 @@
+"""Topic administration, written once as protocol operations (generators of steps) that the
+sync Broker and the asyncio broker both drive (see redisq.protocol.run_operation).
+
+Every check that can fail runs before anything is written: an invalid name, a parameter out of
+range, a topic that exists (or does not) raise a typed error and leave Redis as it was.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from redisq.errors import InvalidConfig, TopicExists, TopicNotFound, check_int
+from redisq.keys import KeySpace, validate_topic
+from redisq.protocol import Command, Operation, Step, optional_text, text
+from redisq.protocol import admin as scripts
+from redisq.topic import (
+    DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_PRODUCER_STATE_TTL_MS,
+    PartitionInfo,
+    TopicConfig,
+    TopicDescription,
+)
+
+MAX_PARTITIONS = 4096
+
+
+def fields(reply: Any) -> dict[str, Any]:
+    """A raw field/value reply (RESP2 flat list or RESP3 map) as a dict with str keys."""
+    if isinstance(reply, dict):
+        return {text(k): v for k, v in reply.items()}
+    it = iter(reply or ())
+    return {text(k): v for k, v in zip(it, it, strict=True)}
+
+
+def server_ms(reply: Any) -> int:
+    """A TIME reply in milliseconds."""
+    seconds, micros = reply
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def read_config(keys: KeySpace, topic: str) -> Operation[TopicConfig | None]:
+    """The topic's metadata, or None if it does not exist."""
+    raw = yield Command(("HGETALL", keys.topic_meta(topic)))
+    raw = raw if isinstance(raw, dict) else dict(zip(raw[0::2], raw[1::2], strict=True))
+    return TopicConfig.from_hash(topic, raw) if raw else None
+
+
+def topic_config(keys: KeySpace, topic: str) -> Operation[TopicConfig]:
+    """The topic's metadata; TopicNotFound if it does not exist."""
+    validate_topic(topic)
+    config = yield from read_config(keys, topic)
+    if config is None:
+        raise TopicNotFound(topic)
+    return config
+
+
+def create_topic(
+    keys: KeySpace,
+    topic: str,
+    partitions: int = 1,
+    *,
+    retention_ms: int = 0,
+    retention_messages: int = 0,
+    dedup_window_ms: int | None = None,
+    producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS,
+    exist_ok: bool = False,
+) -> Operation[TopicConfig]:
+    """Create the partition streams, then the metadata (so a topic that can be described can
+    also be written). With exist_ok, an existing topic is returned as it is."""
+    validate_topic(topic)
+    check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
+    check_int("retention_ms", retention_ms)
+    check_int("retention_messages", retention_messages)
+    check_int("producer_state_ttl_ms", producer_state_ttl_ms, minimum=1000)
+    if dedup_window_ms is None:
+        dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
+    check_int("dedup_window_ms", dedup_window_ms, minimum=1000)
+    existing = yield from read_config(keys, topic)
+    if existing is not None:
+        if exist_ok:
+            return existing
+        raise TopicExists(topic)
+    now = yield Command(("TIME",), server_ms)
+    config = TopicConfig(
+        name=topic,
+        partitions=partitions,
+        retention_ms=retention_ms,
+        retention_messages=retention_messages,
+        dedup_window_ms=dedup_window_ms,
+        producer_state_ttl_ms=producer_state_ttl_ms,
+        created_ms=now,
+        topic_id=secrets.token_hex(8),
+    )
+    created = yield [scripts.create_partition(keys, topic, p) for p in range(partitions)]
+    _raise_first(created)
+    try:
+        yield scripts.create_topic(keys, config)
+    except TopicExists:  # created concurrently
+        if exist_ok:
+            return (yield from topic_config(keys, topic))
+        raise
+    return config
+
+
+def add_partitions(keys: KeySpace, topic: str, partitions: int) -> Operation[TopicConfig]:
+    """Grow a topic (never shrink): the new streams first, then the count."""
+    config = yield from topic_config(keys, topic)
+    check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
+    if partitions <= config.partitions:
+        raise InvalidConfig(
+            f"partitions={partitions}: topic {topic!r} has {config.partitions}; "
+            "partitions can only be added"
+        )
+    created = yield [
+        scripts.create_partition(keys, topic, p) for p in range(config.partitions, partitions)
+    ]
+    _raise_first(created)
+    try:
+        yield scripts.grow_topic(keys, topic, partitions)
+    except Exception as exc:
+        if str(exc).startswith("PARTITIONS_NOT_GREATER"):  # grown concurrently
+            raise InvalidConfig(f"topic {topic!r}: {exc}") from None
+        raise
+    return (yield from topic_config(keys, topic))
+
+
+def describe_topic(
+    keys: KeySpace, topic: str, nodes: dict[int, str] | None = None
+) -> Operation[TopicDescription]:
+    """Partitions with their lengths and first/last offsets: one pipelined XINFO STREAM per
+    partition, one round trip in all. nodes: partition -> the cluster node serving it."""
+    config = yield from topic_config(keys, topic)
+    infos = yield [
+        Command(("XINFO", "STREAM", keys.log(topic, p)), fields) for p in range(config.partitions)
+    ]
+    partitions = []
+    for p, info in enumerate(infos):
+        if isinstance(info, Exception):
+            raise info
+        first, last = info.get("first-entry"), info.get("last-entry")
+        partitions.append(
+            PartitionInfo(
+                partition=p,
+                length=int(info.get("length", 0)),
+                first_offset=optional_text(first[0]) if first else None,
+                last_offset=optional_text(last[0]) if last else None,
+                node=(nodes or {}).get(p),
+            )
+        )
+    return TopicDescription(config=config, partitions=partitions)
+
+
+def list_topics(keys: KeySpace) -> Operation[list[str]]:
+    members = yield Command(("SMEMBERS", keys.topics()))
+    return sorted(text(m) for m in members)
+
+
+def delete_topic(keys: KeySpace, topic: str) -> Operation[int]:
+    """Remove the metadata (producers are refused from then on); returns the partition count
+    whose keys the caller then deletes (they may sit on every node of a cluster)."""
+    validate_topic(topic)
+    return (yield scripts.delete_topic(keys, topic))
+
+
+def trim(keys: KeySpace, topic: str) -> Operation[int]:
+    """Apply the topic's retention to every partition now (exact trims); entries removed."""
+    config = yield from topic_config(keys, topic)
+    now = yield Command(("TIME",), server_ms)
+    steps: list[Step] = []
+    for p in range(config.partitions):
+        key = keys.log(topic, p)
+        if config.retention_messages:
+            steps.append(Command(("XTRIM", key, "MAXLEN", config.retention_messages), int))
+        if config.retention_ms and now > config.retention_ms:
+            steps.append(Command(("XTRIM", key, "MINID", now - config.retention_ms), int))
+    removed = yield steps
+    _raise_first(removed)
+    return sum(removed)
+
+
+def _raise_first(results: list[Any]) -> None:
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
