@@ -18,11 +18,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
 from redisq import errors
+from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
 from redisq.errors import (
     InvalidConfig,
@@ -37,6 +38,7 @@ from redisq.errors import (
 from redisq.keys import validate_name
 from redisq.msgid import MessageIdGenerator
 from redisq.partitioner import Selector, StickyPartitioner, partition_for_key
+from redisq.protocol import Operation, run_operation
 from redisq.protocol import produce as protocol
 from redisq.protocol.produce import LAYOUTS, ProducerIdentity, encode_message
 from redisq.protocol.resp import command
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from redisq.broker import Broker
 
 log = logging.getLogger("redisq.producer")
+T = TypeVar("T")
 
 IDEMPOTENCE_MODES = protocol.MODES
 ACKS = ("leader", "replicas", "fsync")
@@ -264,36 +267,17 @@ class Producer:
                 # WAITAOF 1 would fail on every batch until the delivery timeout.
                 raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
 
-    def _server_ms(self) -> int:
-        seconds, micros = self._client.time()
-        return int(seconds) * 1000 + int(micros) // 1000
+    def _run_operation(self, operation: Operation[T]) -> T:
+        return run_operation(operation, self._scripts.execute)
 
-    def _new_identity(self, held: ProducerIdentity | None = None) -> ProducerIdentity:
-        """A new epoch (and, for a new anonymous producer, a new random id). A named producer
-        fences its older instances on every partition of the topics its name wrote to; a
-        renewal (held) is refused with ProducerFenced if a newer instance took the name."""
-        if self.name is None:
-            pid = held.producer_id if held else protocol.random_producer_id()
-            epoch = max(held.epoch + 1 if held else 0, self._server_ms())
-            return ProducerIdentity(pid, epoch)
-        epoch, topics = self._scripts.run(
-            protocol.init_named_producer(self._keys, self.name, held.epoch if held else None)
+    def _new_identity(self) -> ProducerIdentity:
+        """A new anonymous producer's random id, or a named one's new epoch (fencing its older
+        instances on every partition its name wrote to)."""
+        identity = self._run_operation(
+            identity_ops.new_identity(self._keys, self.name, fence=self.idempotence is not None)
         )
-        identity = ProducerIdentity(protocol.named_producer_id(self.name), epoch, self.name)
-        if self.idempotence is not None:
-            self._fence_topics(identity, topics)
-        log.info("producer %s: pid %d epoch %d", self.name, identity.producer_id, epoch)
+        log.info("producer %s: pid %d epoch %d", self.name, identity.producer_id, identity.epoch)
         return identity
-
-    def _fence_topics(self, identity: ProducerIdentity, topics: list[str]) -> None:
-        """Store the epoch on every partition of topics an older instance may write to."""
-        for topic in topics:
-            try:
-                config = self.broker.topic_config(topic, refresh=True)
-            except errors.TopicNotFound:
-                continue
-            for p in range(config.partitions):
-                self._scripts.run(protocol.fence_partition(self._keys, identity, config, p))
 
     def _renew_identity(self) -> bool:
         """After batches of unknown outcome failed: a new epoch, fenced on every partition where
@@ -302,17 +286,17 @@ class Producer:
         with self._cond:
             abandoned = sorted(self._core.abandoned)
         try:
-            identity = self._new_identity(self.identity)
-            if self.name is None:
-                for topic, p in abandoned:
-                    config = self._topic_config(topic)
-                    self._scripts.run(protocol.fence_partition(self._keys, identity, config, p))
+            identity = self._run_operation(
+                identity_ops.renew_identity(
+                    self._keys, self.identity, abandoned, fence=self.idempotence is not None
+                )
+            )
         except _NETWORK_ERRORS as exc:
             log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
             with self._cond:
                 self._core.last_error = exc
             return False
-        except Exception as exc:
+        except Exception as exc:  # ProducerFenced: a newer instance took the name
             with self._cond:
                 self._core.fail_all(exc, fatal=True)
                 self._cond.notify_all()
@@ -331,19 +315,11 @@ class Producer:
 
     def _fence_partitions(self) -> bool:
         """UNKNOWN_PRODUCER: prove the epoch against the name's registration, then store it on
-        the partition, before anything is sent there again."""
+        the partitions, before anything is sent there again."""
         with self._cond:
             needed = sorted(self._core.fences_needed)
         try:
-            registered: set[str] = set()
-            for topic, p in needed:
-                config = self._topic_config(topic)
-                if topic not in registered:
-                    self._scripts.run(protocol.register_topic(self._keys, self.identity, topic))
-                    registered.add(topic)
-                self._scripts.run(protocol.fence_partition(self._keys, self.identity, config, p))
-                with self._cond:
-                    self._core.partition_fenced((topic, p))
+            self._run_operation(identity_ops.prove_and_fence(self._keys, self.identity, needed))
         except _NETWORK_ERRORS as exc:
             log.warning("cannot fence yet: %s", type(exc).__name__)
             return False
@@ -352,6 +328,9 @@ class Producer:
                 self._core.fail_all(exc, fatal=True)
                 self._cond.notify_all()
             return False
+        with self._cond:
+            for key in needed:
+                self._core.partition_fenced(key)
         return True
 
     # -- topic metadata --------------------------------------------------------------------------
@@ -361,17 +340,19 @@ class Producer:
         now = time.monotonic()
         if cached is not None and now - cached[0] < self._metadata_max_age_s:
             return cached[1]
-        config = self.broker.topic_config(topic, refresh=True)
-        if self.name is not None and self.idempotence is not None:
-            # First write to the topic, and then at every refresh: proves the epoch (a fenced
-            # instance learns it here even while it writes nowhere) and keeps the name's
-            # registration alive.
-            try:
-                self._scripts.run(protocol.register_topic(self._keys, self.identity, topic))
-            except ProducerFenced as exc:
-                with self._cond:
-                    self._core.fail_all(exc, fatal=True)
-                raise
+        try:
+            config = self._run_operation(
+                identity_ops.topic_metadata(
+                    self._keys,
+                    self.identity,
+                    topic,
+                    register=self.name is not None and self.idempotence is not None,
+                )
+            )
+        except ProducerFenced as exc:
+            with self._cond:
+                self._core.fail_all(exc, fatal=True)
+            raise
         self._topics[topic] = (now, config)
         return config
 
