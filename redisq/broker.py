@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from redis.cluster import RedisCluster
 
@@ -16,6 +16,7 @@ from redisq.keys import KeySpace, validate_topic
 from redisq.protocol import Operation, run_operation
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import Scripts, is_fake
+from redisq.settings import ProducerOptions
 from redisq.topic import (
     DEFAULT_PRODUCER_STATE_TTL_MS,
     TopicConfig,
@@ -224,8 +225,9 @@ class Broker:
                 return
 
     # -- producers ---------------------------------------------------------------------------
-    def producer(self, name: str | None = None, **options: Any) -> Producer:
-        """A producer; see `redisq.producer.Producer` for the options."""
+    def producer(self, name: str | None = None, **options: Unpack[ProducerOptions]) -> Producer:
+        """A producer: named (fencing its older instances) or anonymous; the options are
+        `redisq.settings.ProducerOptions` (see `redisq.producer.Producer`)."""
         from redisq.producer import Producer
 
         return Producer(self, name=name, **options)

@@ -83,31 +83,46 @@ def no_retries() -> redis.retry.Retry:
     return redis.retry.Retry(NoBackoff(), 0)
 
 
-def open_client(url: str, **options: Any) -> Any:
-    """A redis-py client for url: RedisCluster when the scheme says so or the server runs in
-    cluster mode, else Redis. Responses stay bytes (values are binary). redis-py's automatic
-    retries are off (see no_retries)."""
+def client_options(options: dict[str, Any]) -> dict[str, Any]:
+    """redis-py options with redisq's rules: responses stay bytes (values are binary), and
+    redis-py's automatic retries are refused (see no_retries)."""
     refused = [name for name in _RETRY_OPTIONS if options.get(name)]
     if refused:
         raise InvalidConfig(
             f"{', '.join(refused)}: redisq turns redis-py's automatic retries off and retries "
             "itself (a blind retry can run a script twice unseen)"
         )
+    options = {k: v for k, v in options.items() if k not in _RETRY_OPTIONS}
     options.setdefault("decode_responses", False)
-    for name in _RETRY_OPTIONS:
-        options.pop(name, None)
-    options["retry"] = no_retries()
+    return options
+
+
+def url_kind(url: str) -> tuple[str, str]:
+    """("sentinel" | "cluster" | "plain", the url redis-py takes)."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in _SENTINEL_SCHEMES:
-        return open_sentinel_client(url, **options)
+        return "sentinel", url
     if scheme in _CLUSTER_SCHEMES:
-        return _open_cluster(url, _CLUSTER_SCHEMES[scheme] + url[len(scheme) :], options)
+        return "cluster", _CLUSTER_SCHEMES[scheme] + url[len(scheme) :]
+    return "plain", url
+
+
+def open_client(url: str, **options: Any) -> Any:
+    """A redis-py client for url: RedisCluster when the scheme says so or the server runs in
+    cluster mode, else Redis (see client_options)."""
+    options = client_options(options)
+    options["retry"] = no_retries()
+    kind, target = url_kind(url)
+    if kind == "sentinel":
+        return open_sentinel_client(url, **options)
+    if kind == "cluster":
+        return _open_cluster(url, target, options)
     client = redis.Redis.from_url(url, **options)
     try:
         info = client.info("cluster")
     except redis.RedisError as exc:
         client.close()
-        raise _unreachable(url, exc) from None
+        raise unreachable(url, exc) from None
     if info.get("cluster_enabled") in (1, "1"):
         client.close()
         return _open_cluster(url, url, options)
@@ -118,29 +133,25 @@ def _open_cluster(url: str, cluster_url: str, options: dict[str, Any]) -> RedisC
     try:
         return RedisCluster.from_url(cluster_url, **options)
     except (redis.RedisError, RedisClusterException) as exc:
-        raise _unreachable(url, exc) from None
+        raise unreachable(url, exc) from None
 
 
-def _unreachable(url: str, exc: BaseException) -> redis.ConnectionError:
+def unreachable(url: str, exc: BaseException) -> redis.ConnectionError:
     """A ConnectionError naming the redacted url; redis-py's own messages name host and port only
     (and AuthenticationError, NoPermissionError keep their type name in the text)."""
     detail = str(exc).split(" : ", 1)[0]  # Sentinel appends the reprs of every sentinel client
     return redis.ConnectionError(f"cannot reach {redact_url(url)}: {type(exc).__name__}: {detail}")
 
 
-def open_sentinel_client(url: str, **options: Any) -> Any:
-    """The master of a Sentinel-monitored service, for
-    ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db][?options]``
-    (``rediss+sentinel://`` for TLS to the master and the sentinels).
-
-    The client asks the sentinels for the master's address on every new connection, and a
-    connection that meets READONLY (the old master, now a replica) is dropped, so the same
-    client follows a failover. user:password authenticate to the master; the query fields
-    sentinel_username / sentinel_password to the sentinels; other query fields (ssl_ca_certs,
-    socket_timeout, ...) go to redis-py like those of a redis:// url.
-    """
-    from redis.sentinel import Sentinel
-
+def sentinel_parts(
+    url: str, options: dict[str, Any]
+) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """Parse ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db][?options]``
+    (``rediss+sentinel://`` for TLS to the master and the sentinels) into the sentinels, the
+    service name and the sentinels' own options; `options` (the master's) is completed in
+    place. user:password authenticate to the master; the query fields sentinel_username /
+    sentinel_password to the sentinels; other query fields (ssl_ca_certs, socket_timeout, ...)
+    go to redis-py like those of a redis:// url."""
     scheme, _, rest = url.partition("://")
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
@@ -180,13 +191,26 @@ def open_sentinel_client(url: str, **options: Any) -> Any:
     for name in ("socket_timeout", "socket_connect_timeout"):
         if name in options:
             sentinel_kwargs.setdefault(name, options[name])
+    return sentinels, service, sentinel_kwargs
+
+
+def open_sentinel_client(url: str, **options: Any) -> Any:
+    """The master of a Sentinel-monitored service (see sentinel_parts for the url).
+
+    The client asks the sentinels for the master's address on every new connection, and a
+    connection that meets READONLY (the old master, now a replica) is dropped, so the same
+    client follows a failover.
+    """
+    from redis.sentinel import Sentinel
+
+    sentinels, service, sentinel_kwargs = sentinel_parts(url, options)
     sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
     client = sentinel.master_for(service, redis_class=redis.Redis, **options)
     try:
         client.ping()
     except redis.RedisError as exc:
         client.close()
-        raise _unreachable(url, exc) from None
+        raise unreachable(url, exc) from None
     return client
 
 
@@ -205,13 +229,15 @@ def _query_value(value: str) -> Any:
 
 def check_server(client: Any) -> str:
     """Refuse servers older than Redis 7.0 / Valkey 8 (scripts rely on 7.0 semantics)."""
-    info = client.info("server")
-    if isinstance(client, RedisCluster):  # one dict per node
-        info = (
-            next(iter(info.values()))
-            if info and isinstance(next(iter(info.values())), dict)
-            else info
-        )
+    return server_description(client.info("server"))
+
+
+def server_description(info: dict[str, Any]) -> str:
+    """"redis 7.0.15" / "valkey 9.1.2" from INFO server (a cluster client's answer has one dict
+    per node); UnsupportedServer below Redis 7.0 / Valkey 8."""
+    values = list(info.values())
+    if values and isinstance(values[0], dict):
+        info = values[0]
     version = str(info.get("valkey_version") or info.get("redis_version") or "0")
     major = int(version.split(".")[0] or 0)
     is_valkey = "valkey_version" in info or info.get("server_name") == "valkey"

@@ -18,33 +18,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import redis
 
 from redisq import errors
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
-from redisq.errors import (
-    InvalidConfig,
-    MessageTooLarge,
-    NotEnoughReplicas,
-    ProducerClosed,
-    ProducerFenced,
-    RedisqError,
-    UnsupportedServer,
-    check_number,
-)
+from redisq.errors import ProducerClosed, ProducerFenced, RedisqError, UnsupportedServer
 from redisq.keys import validate_name
-from redisq.msgid import MessageIdGenerator
-from redisq.partitioner import Selector, StickyPartitioner, partition_for_key
 from redisq.protocol import Operation, run_operation
-from redisq.protocol import produce as protocol
-from redisq.protocol.produce import LAYOUTS, ProducerIdentity, encode_message
-from redisq.protocol.resp import command
-from redisq.records import RecordMetadata, encode_headers
+from redisq.protocol.produce import ProducerIdentity
+from redisq.records import RecordMetadata
+from redisq.sending import MessageEncoder, Round, script_for
+from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.topic import TopicConfig
-from redisq.transport import Redirect, Transport
+from redisq.transport import Transport
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -52,19 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("redisq.producer")
 T = TypeVar("T")
 
-IDEMPOTENCE_MODES = protocol.MODES
-ACKS = ("leader", "replicas", "fsync")
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-
-
-def _as_bytes(what: str, value: object) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"{what} must be bytes or str, not {type(value).__name__}")
 
 
 class _Waiter:
@@ -139,93 +116,39 @@ class Producer:
     """
 
     def __init__(
-        self,
-        broker: Broker,
-        name: str | None = None,
-        *,
-        idempotence: str | None = "sequence",
-        acks: str = "leader",
-        linger_ms: float = 5.0,
-        max_batch_messages: int = 500,
-        max_batch_bytes: int = 1 << 20,
-        max_in_flight: int = 5,
-        window: int = 16,
-        max_message_bytes: int = 1 << 20,
-        delivery_timeout_ms: int = 120_000,
-        retry_backoff_ms: int = 50,
-        max_buffered_messages: int = 100_000,
-        max_block_ms: int = 60_000,
-        min_replicas: int = 1,
-        ack_timeout_ms: int = 1_000,
-        metadata_max_age_ms: int = 5_000,
-        partitioner: Selector | None = None,
+        self, broker: Broker, name: str | None = None, **options: Unpack[ProducerOptions]
     ) -> None:
-        if idempotence not in IDEMPOTENCE_MODES:
-            raise InvalidConfig(f"idempotence={idempotence!r}: choose one of {IDEMPOTENCE_MODES}")
-        if acks not in ACKS:
-            raise InvalidConfig(f"acks={acks!r}: choose one of {ACKS}")
+        settings = ProducerSettings.from_options(dict(options))
         if name is not None:
             validate_name("producer", name)
-        check_number("linger_ms", linger_ms, 0, 60_000)
-        check_number("max_batch_messages", max_batch_messages, 1, 10_000)
-        check_number("max_batch_bytes", max_batch_bytes, 1024, 64 << 20)
-        check_number("max_in_flight", max_in_flight, 1, 100)
-        check_number("window", window, 1, 1000)
-        check_number("max_message_bytes", max_message_bytes, 1, 512 << 20)
-        check_number("delivery_timeout_ms", delivery_timeout_ms, 100, 24 * 3600 * 1000)
-        check_number("retry_backoff_ms", retry_backoff_ms, 1, 60_000)
-        check_number("max_buffered_messages", max_buffered_messages, 1, 100_000_000)
-        check_number("max_block_ms", max_block_ms, 0, 3_600_000)
-        check_number("min_replicas", min_replicas, 1, 100)
-        check_number("ack_timeout_ms", ack_timeout_ms, 0, 3_600_000)
-        check_number("metadata_max_age_ms", metadata_max_age_ms, 100, 3_600_000)
-        if idempotence == "sequence" and window < max_in_flight:
-            raise InvalidConfig(
-                f"window={window} must be >= max_in_flight={max_in_flight}: a re-sent batch must "
-                "still be in the broker's window"
-            )
-        if partitioner is not None and not callable(partitioner):
-            raise TypeError(f"partitioner must be callable, not {type(partitioner).__name__}")
-
         self.broker = broker
         self.name = name
-        self.idempotence = idempotence
-        self.acks = acks
-        self.window = window
-        self.max_message_bytes = max_message_bytes
-        self.delivery_timeout_s = delivery_timeout_ms / 1000
-        self.retry_backoff_s = retry_backoff_ms / 1000
-        self.max_buffered_messages = max_buffered_messages
-        self.max_block_s = max_block_ms / 1000
-        self.min_replicas = min_replicas
-        self.ack_timeout_ms = ack_timeout_ms
-        self._metadata_max_age_s = metadata_max_age_ms / 1000
-        self._selector = partitioner
-        self._sticky = StickyPartitioner()
-
+        self.settings = settings
+        self.idempotence = settings.idempotence
+        self.acks = settings.acks
+        self._metadata_max_age_s = settings.metadata_max_age_ms / 1000
+        self._encoder = MessageEncoder(settings)
         self._keys = broker.keys
         self._scripts = broker.scripts
         self._client = broker.client
         self._cond = threading.Condition(threading.Lock())
         self._core = ProducerCore(
             CoreSettings(
-                mode=idempotence,
-                max_batch_messages=max_batch_messages,
-                max_batch_bytes=max_batch_bytes,
-                max_in_flight=max_in_flight,
-                linger_s=linger_ms / 1000,
-                delivery_timeout_s=self.delivery_timeout_s,
+                mode=settings.idempotence,
+                max_batch_messages=settings.max_batch_messages,
+                max_batch_bytes=settings.max_batch_bytes,
+                max_in_flight=settings.max_in_flight,
+                linger_s=settings.linger_ms / 1000,
+                delivery_timeout_s=settings.delivery_timeout_ms / 1000,
             ),
             on_finished=_finished,
-            on_sealed=self._sealed,
+            on_sealed=self._encoder.batch_sealed,
         )
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
-        self._registered_topics: set[str] = set()
         self._closed = False
 
         self._check_acks_supported()
         self.identity = self._new_identity()
-        self._ids = MessageIdGenerator() if idempotence == "message_id" else None
         self._sender = threading.Thread(target=self._run, name="redisq-sender", daemon=True)
         self._sender.start()
 
@@ -371,84 +294,38 @@ class Producer:
         Raises at once (and queues nothing) on bad input: TypeError for a value, key or header
         of the wrong type, MessageTooLarge, TopicNotFound, PartitionOutOfRange.
         """
-        # This is the hot path: the common case (bytes value and key, no headers) is kept to a
-        # handful of type checks, one CRC-32 and one locked append.
         core = self._core
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
-        if type(value) is not bytes:
-            value = _as_bytes("value", value)
-        size = len(value)
-        if key is not None:
-            if type(key) is not bytes:
-                key = _as_bytes("key", key)
-            if not key:
-                raise ValueError("key must not be empty; use key=None for a message without a key")
-            size += len(key)
-        headers_b = encode_headers(headers) if headers else None
-        if headers_b:
-            size += len(headers_b)
-        if size > self.max_message_bytes:
-            raise MessageTooLarge(size, self.max_message_bytes)
         cached = self._topics.get(topic)
         if cached is None or time.monotonic() - cached[0] >= self._metadata_max_age_s:
             config = self._topic_config(topic)
         else:
             config = cached[1]
-        partitions = config.partitions
-
-        mid: bytes | None = None
-        if message_id is not None:
-            if isinstance(message_id, int) and not isinstance(message_id, bool):
-                mid = b"%d" % message_id
-            else:
-                mid = _as_bytes("message_id", message_id)
-            if not mid:
-                raise ValueError("message_id must not be empty")
-        elif self._ids is not None:
-            mid = self._ids.next_id()
-
-        if partition is not None:
-            partition = self.broker.check_partition(topic, partition)
-        elif self._selector is not None:
-            partition = self._selector(topic, key, value, partitions)
-            if type(partition) is not int or not 0 <= partition < partitions:
-                raise errors.PartitionOutOfRange(topic, partition, partitions)
-        elif key is not None:
-            partition = partition_for_key(key, partitions)
-        elif mid is not None and self._ids is not None:
-            partition = partition_for_key(mid, partitions)  # an id's dedup scope is its partition
-        else:
-            partition = self._sticky.partition(topic, partitions)
-
-        layout = LAYOUTS[key is not None, headers_b is not None, mid is not None]
-        parts = encode_message(key, value, headers_b, mid)  # encoded once: the sender joins them
-
+        message = self._encoder.encode(config, value, key, headers, message_id, partition)
         with self._cond:
-            if core.buffered >= self.max_buffered_messages:
+            if core.buffered >= self.settings.max_buffered_messages:
                 self._wait_for_buffer_space()
             batch, index, opened = core.append(
-                config, partition, layout, parts, size, time.monotonic()
-            )
+                config, message.partition, message.layout, message.parts, message.size,
+                time.monotonic(),
+            )  # fmt: skip
             if batch.waiter is None:
                 batch.waiter = _Waiter()
             if opened or batch.sealed:
                 self._cond.notify()  # start the linger clock, or send a full batch
         return SendFuture(batch, index)
 
-    def _sealed(self, batch: Batch) -> None:
-        self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
-
     def _wait_for_buffer_space(self) -> None:
         """Block (lock held) while max_buffered_messages are waiting, up to max_block_ms."""
         core = self._core
-        deadline = time.monotonic() + self.max_block_s
-        while core.buffered >= self.max_buffered_messages and core.fatal is None:
+        limit = self.settings.max_buffered_messages
+        deadline = time.monotonic() + self.settings.max_block_ms / 1000
+        while core.buffered >= limit and core.fatal is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.RedisqError(
-                    f"buffer full ({self.max_buffered_messages} messages) for "
-                    f"max_block_ms={int(self.max_block_s * 1000)}"
+                    f"buffer full ({limit} messages) for max_block_ms={self.settings.max_block_ms}"
                 )
             self._cond.wait(remaining)
         if core.fatal is not None:
@@ -504,9 +381,12 @@ class Producer:
     # -- the sender thread ---------------------------------------------------------------------
     def _run(self) -> None:
         core = self._core
-        transport = Transport(self._client, socket_timeout_s=min(30.0, self.delivery_timeout_s))
-        outstanding: deque[_Round] = deque()
-        backoff = self.retry_backoff_s
+        settings = self.settings
+        transport = Transport(
+            self._client, socket_timeout_s=min(30.0, settings.delivery_timeout_ms / 1000)
+        )
+        outstanding: deque[Round] = deque()
+        backoff = settings.retry_backoff_ms / 1000
         try:
             while True:
                 if core.fatal is not None:
@@ -553,7 +433,7 @@ class Producer:
                             time.sleep(backoff * (0.5 + random.random()))
                             backoff = min(backoff * 2, 1.0)
                         elif progress:
-                            backoff = self.retry_backoff_s
+                            backoff = settings.retry_backoff_ms / 1000
                 except _NETWORK_ERRORS as exc:
                     # Replies in flight are lost: every batch on the wire goes again (the window
                     # answers the ones that were written as duplicates, with their offsets), or
@@ -583,129 +463,55 @@ class Producer:
             transport.close()
 
     def _reload_scripts(self) -> None:
-        """NOSCRIPT (a restarted or flushed server): load the produce script again."""
-        name = {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
-            self.idempotence or "", "produce"
-        )
+        """NOSCRIPT (a restarted or flushed server): load the produce scripts again."""
         try:
-            self._scripts.load(name)
+            self._scripts.load(script_for(self.settings))
             self._scripts.load("fence_producer")
             self._core.reload_scripts = False
         except _NETWORK_ERRORS as exc:
             log.warning("cannot load scripts yet: %s", type(exc).__name__)
 
-    def _submit(self, transport: Transport, work: list[Batch]) -> _Round:
-        """Encode and write one round: per node, the batches' EVALSHA commands (behind ASKING
-        after an ASK redirection), then WAIT/WAITAOF for acks="replicas"/"fsync"."""
-        round_ = _Round()
-        payloads: dict[str, list[bytes]] = {}
-        core = self._core
-        for batch in work:
-            call = protocol.produce(
-                self._keys,
-                self.idempotence,
-                self.identity,
-                batch.config,
-                batch,
-                acked_next=core.acked_next(batch),
-                window=self.window,
-            )
-            key = call.keys[0]
-            node = transport.node_for(key)
-            parts = payloads.setdefault(node, [])
-            entries = round_.nodes.setdefault(node, [])
-            if transport.asking(key):
-                transport.forget_asking(key)
-                parts.append(command(b"ASKING", ()))
-                entries.append(None)
-            parts.append(self._scripts.pack(call))
-            entries.append((batch, call.decode))
-        for node, parts in payloads.items():
-            if self.acks == "replicas":
-                parts.append(command(b"WAIT", (self.min_replicas, self.ack_timeout_ms)))
-            elif self.acks == "fsync":
-                parts.append(command(b"WAITAOF", (1, 0, self.ack_timeout_ms)))
-            transport.send(node, b"".join(parts))
-            round_.sent.append(node)
+    def _submit(self, transport: Transport, work: list[Batch]) -> Round:
+        """Encode and write one round (sending.Round)."""
+        round_ = Round.build(
+            work,
+            core=self._core,
+            keys=self._keys,
+            settings=self.settings,
+            identity=self.identity,
+            pack=self._scripts.pack,
+            router=transport,
+        )
+        for node, payload in round_.payloads.items():
+            transport.send(node, payload)
         return round_
 
     def _collect(
-        self, transport: Transport, round_: _Round, deadline: float | None
+        self, transport: Transport, round_: Round, deadline: float | None
     ) -> tuple[bool, bool]:
         """Read one round's replies (waiting no later than deadline: the oldest batch's delivery
         timeout) and settle its batches; returns (progress, retry)."""
-        core = self._core
-        replies: dict[str, list[Any]] = {}
-        extra = 1 if self.acks != "leader" else 0
-        for node in round_.sent:
-            replies[node] = transport.read(node, len(round_.nodes[node]) + extra, deadline)
-        progress = retry = False
+        replies = {
+            node: transport.read(node, round_.expected_replies(node), deadline)
+            for node in round_.payloads
+        }
         with self._cond:
-            for node, entries in round_.nodes.items():
-                node_replies = replies[node]
-                durable_error = self._durable_error(node_replies.pop()) if extra else None
-                for entry, reply in zip(entries, node_replies, strict=True):
-                    if entry is None:  # the reply to ASKING
-                        continue
-                    batch, decode = entry
-                    if isinstance(reply, Redirect):
-                        if reply.kind == "ASK":
-                            transport.note_ask(
-                                self._keys.log(batch.topic, batch.partition), reply.node
-                            )
-                        core.redirected(batch)
-                        retry = True
-                    elif isinstance(reply, Exception):
-                        mapped = (
-                            errors.from_reply(str(reply), batch.topic)
-                            if isinstance(reply, redis.ResponseError)
-                            else None
-                        )
-                        if isinstance(mapped, errors.TopicNotFound):
-                            # Deleted under us: the next send reads the metadata again.
-                            self._topics.pop(batch.topic, None)
-                            self.broker.forget_topic(batch.topic)
-                        core.refused(batch, mapped or reply)
-                        retry = True
-                    elif durable_error is not None:
-                        core.not_durable(batch, durable_error)
-                        batch.unknown = True  # stored on the primary, maybe not on a replica
-                        retry = True
-                    else:
-                        core.complete(batch, decode(reply))
-                        progress = True
-                if durable_error is not None:
-                    log.warning("acks=%s: %s", self.acks, durable_error)
+            progress, retry = round_.settle(
+                replies,
+                core=self._core,
+                keys=self._keys,
+                settings=self.settings,
+                router=transport,
+                forget_topic=self._forget_topic,
+            )
             if retry:
-                core.expire(time.monotonic())
+                self._core.expire(time.monotonic())
             self._cond.notify_all()
         return progress, retry
 
-    def _durable_error(self, reply: Any) -> BaseException | None:
-        """Check the WAIT / WAITAOF reply of a node's round."""
-        if isinstance(reply, Exception):
-            return reply
-        count = int(reply[0] if isinstance(reply, list) else reply)
-        needed = self.min_replicas if self.acks == "replicas" else 1
-        if count < needed:
-            return NotEnoughReplicas(
-                f"acks={self.acks}: {count} of {needed} acknowledged "
-                f"within {self.ack_timeout_ms} ms"
-            )
-        return None
-
-
-class _Round:
-    """Batches written together, per node, whose replies are still to be read."""
-
-    __slots__ = ("nodes", "sent")
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, list[tuple[Batch, Callable[[Any], Any]] | None]] = {}
-        self.sent: list[str] = []
-
-    def batches(self) -> list[Batch]:
-        return [entry[0] for entries in self.nodes.values() for entry in entries if entry]
+    def _forget_topic(self, topic: str) -> None:
+        self._topics.pop(topic, None)
+        self.broker.forget_topic(topic)
 
 
 __all__ = ["Producer", "SendFuture", "RecordMetadata", "RedisqError"]

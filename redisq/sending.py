@@ -1,0 +1,259 @@
+"""The producer's wire codec, shared by the thread and the asyncio drivers. No I/O.
+
+`MessageEncoder` checks and encodes one message (types, size, message id, partition): the hot
+path of send_async. `Round` is what one write to the servers holds: per node, the batches'
+EVALSHA commands (behind ASKING after an ASK redirection) and WAIT/WAITAOF for stronger acks;
+`Round.settle` reads the replies into the core's decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import redis
+
+from redisq import errors
+from redisq.accumulator import Batch, ProducerCore
+from redisq.errors import MessageTooLarge, NotEnoughReplicas
+from redisq.keys import KeySpace
+from redisq.msgid import MessageIdGenerator
+from redisq.partitioner import StickyPartitioner, partition_for_key
+from redisq.protocol import ScriptCall
+from redisq.protocol import produce as protocol
+from redisq.protocol.produce import LAYOUTS, ProducerIdentity, encode_message
+from redisq.protocol.resp import command
+from redisq.records import encode_headers
+from redisq.settings import ProducerSettings
+from redisq.topic import TopicConfig
+from redisq.transport import Redirect
+
+log = logging.getLogger("redisq.producer")
+
+
+def as_bytes(what: str, value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes or str, not {type(value).__name__}")
+
+
+class Encoded:
+    """One checked, encoded message: where it goes and its RESP pieces."""
+
+    __slots__ = ("partition", "layout", "parts", "size")
+
+    def __init__(self, partition: int, layout: str, parts: list[bytes], size: int) -> None:
+        self.partition = partition
+        self.layout = layout
+        self.parts = parts
+        self.size = size
+
+
+class MessageEncoder:
+    """Checks a message, picks its partition and encodes it once (the sender only joins the
+    pieces). Raises at once on bad input, before anything is queued."""
+
+    def __init__(self, settings: ProducerSettings) -> None:
+        self._max_bytes = settings.max_message_bytes
+        self._selector = settings.partitioner
+        self._sticky = StickyPartitioner()
+        self._ids = MessageIdGenerator() if settings.idempotence == "message_id" else None
+
+    def batch_sealed(self, batch: Batch) -> None:
+        self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
+
+    def encode(
+        self,
+        config: TopicConfig,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+    ) -> Encoded:
+        # The common case (bytes value and key, no headers) is kept to a handful of checks.
+        if type(value) is not bytes:
+            value = as_bytes("value", value)
+        size = len(value)
+        if key is not None:
+            if type(key) is not bytes:
+                key = as_bytes("key", key)
+            if not key:
+                raise ValueError("key must not be empty; use key=None for a message without a key")
+            size += len(key)
+        headers_b = encode_headers(headers) if headers else None
+        if headers_b:
+            size += len(headers_b)
+        if size > self._max_bytes:
+            raise MessageTooLarge(size, self._max_bytes)
+        mid: bytes | None = None
+        if message_id is not None:
+            if isinstance(message_id, int) and not isinstance(message_id, bool):
+                mid = b"%d" % message_id
+            else:
+                mid = as_bytes("message_id", message_id)
+            if not mid:
+                raise ValueError("message_id must not be empty")
+        elif self._ids is not None:
+            mid = self._ids.next_id()
+        partitions = config.partitions
+        if partition is not None:
+            if isinstance(partition, bool) or not isinstance(partition, int):
+                raise TypeError(f"partition must be an int, not {type(partition).__name__}")
+            if not 0 <= partition < partitions:
+                raise errors.PartitionOutOfRange(config.name, partition, partitions)
+        elif self._selector is not None:
+            partition = self._selector(config.name, key, value, partitions)
+            if type(partition) is not int or not 0 <= partition < partitions:
+                raise errors.PartitionOutOfRange(config.name, partition, partitions)
+        elif key is not None:
+            partition = partition_for_key(key, partitions)
+        elif mid is not None and self._ids is not None:
+            partition = partition_for_key(mid, partitions)  # an id's dedup scope is its partition
+        else:
+            partition = self._sticky.partition(config.name, partitions)
+        layout = LAYOUTS[key is not None, headers_b is not None, mid is not None]
+        return Encoded(partition, layout, encode_message(key, value, headers_b, mid), size)
+
+
+class Router(Protocol):
+    """What a round needs of a transport: which node serves a key, and ASK redirections."""
+
+    def node_for(self, key: str) -> str: ...
+
+    def asking(self, key: str) -> bool: ...
+
+    def forget_asking(self, key: str) -> None: ...
+
+    def note_ask(self, key: str, node: str) -> None: ...
+
+
+class Round:
+    """Batches written together, per node, whose replies are still to be read."""
+
+    __slots__ = ("nodes", "payloads", "extra")
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, list[tuple[Batch, Callable[[Any], Any]] | None]] = {}
+        self.payloads: dict[str, bytes] = {}
+        self.extra = 0  # one more reply per node: WAIT / WAITAOF
+
+    @classmethod
+    def build(
+        cls,
+        work: list[Batch],
+        *,
+        core: ProducerCore,
+        keys: KeySpace,
+        settings: ProducerSettings,
+        identity: ProducerIdentity,
+        pack: Callable[[ScriptCall[Any]], bytes],
+        router: Router,
+    ) -> Round:
+        round_ = cls()
+        parts_by_node: dict[str, list[bytes]] = {}
+        for batch in work:
+            call = protocol.produce(
+                keys,
+                settings.idempotence,
+                identity,
+                batch.config,
+                batch,
+                acked_next=core.acked_next(batch),
+                window=settings.window,
+            )
+            key = call.keys[0]
+            node = router.node_for(key)
+            parts = parts_by_node.setdefault(node, [])
+            entries = round_.nodes.setdefault(node, [])
+            if router.asking(key):
+                router.forget_asking(key)
+                parts.append(command(b"ASKING", ()))
+                entries.append(None)
+            parts.append(pack(call))
+            entries.append((batch, call.decode))
+        for node, parts in parts_by_node.items():
+            if settings.acks == "replicas":
+                parts.append(command(b"WAIT", (settings.min_replicas, settings.ack_timeout_ms)))
+            elif settings.acks == "fsync":
+                parts.append(command(b"WAITAOF", (1, 0, settings.ack_timeout_ms)))
+            round_.payloads[node] = b"".join(parts)
+        round_.extra = 0 if settings.acks == "leader" else 1
+        return round_
+
+    def batches(self) -> list[Batch]:
+        return [entry[0] for entries in self.nodes.values() for entry in entries if entry]
+
+    def expected_replies(self, node: str) -> int:
+        return len(self.nodes[node]) + self.extra
+
+    def settle(
+        self,
+        replies: dict[str, list[Any]],
+        *,
+        core: ProducerCore,
+        keys: KeySpace,
+        settings: ProducerSettings,
+        router: Router,
+        forget_topic: Callable[[str], None],
+    ) -> tuple[bool, bool]:
+        """Hand each batch's reply to the core; returns (progress, retry)."""
+        progress = retry = False
+        for node, entries in self.nodes.items():
+            node_replies = list(replies[node])
+            durable_error = _durable_error(node_replies.pop(), settings) if self.extra else None
+            for entry, reply in zip(entries, node_replies, strict=True):
+                if entry is None:  # the reply to ASKING
+                    continue
+                batch, decode = entry
+                if isinstance(reply, Redirect):
+                    if reply.kind == "ASK":
+                        router.note_ask(keys.log(batch.topic, batch.partition), reply.node)
+                    core.redirected(batch)
+                    retry = True
+                elif isinstance(reply, Exception):
+                    mapped = (
+                        errors.from_reply(str(reply), batch.topic)
+                        if isinstance(reply, redis.ResponseError)
+                        else None
+                    )
+                    if isinstance(mapped, errors.TopicNotFound):
+                        forget_topic(batch.topic)  # deleted: the next send reads it again
+                    core.refused(batch, mapped or reply)
+                    retry = True
+                elif durable_error is not None:
+                    core.not_durable(batch, durable_error)
+                    batch.unknown = True  # stored on the primary, maybe not on a replica
+                    retry = True
+                else:
+                    core.complete(batch, decode(reply))
+                    progress = True
+            if durable_error is not None:
+                log.warning("acks=%s: %s", settings.acks, durable_error)
+        return progress, retry
+
+
+def _durable_error(reply: Any, settings: ProducerSettings) -> BaseException | None:
+    """Check the WAIT / WAITAOF reply of a node's round."""
+    if isinstance(reply, Exception):
+        return reply
+    count = int(reply[0] if isinstance(reply, list) else reply)
+    needed = settings.min_replicas if settings.acks == "replicas" else 1
+    if count < needed:
+        return NotEnoughReplicas(
+            f"acks={settings.acks}: {count} of {needed} acknowledged "
+            f"within {settings.ack_timeout_ms} ms"
+        )
+    return None
+
+
+def script_for(settings: ProducerSettings) -> str:
+    """The produce script of this idempotence mode (reloaded after NOSCRIPT)."""
+    return {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
+        settings.idempotence or "", "produce"
+    )
