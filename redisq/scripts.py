@@ -180,16 +180,20 @@ class Scripts:
 
     def pack(self, call: ScriptCall[Any]) -> bytes:
         """The call as one RESP EVALSHA command, for a connection written to directly."""
-        script = self._scripts[call.script]
-        return command(
-            b"EVALSHA",
-            [script.sha, len(call.keys), *call.keys, *call.args],
-            [call.body] if call.body_count else (),
-            call.body_count,
-        )
+        return pack(self._scripts[call.script], call)
 
     def queue(self, pipe: Any, name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
         """Queue EVALSHA on a pipeline. The caller re-queues a NOSCRIPT result after load(name):
         NOSCRIPT means the script did not run, so running it again is safe."""
         script = self._scripts[name]
         pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def pack(script: Script, call: ScriptCall[Any]) -> bytes:
+    """A call of this script as one RESP EVALSHA command."""
+    return command(
+        b"EVALSHA",
+        [script.sha, len(call.keys), *call.keys, *call.args],
+        [call.body] if call.body_count else (),
+        call.body_count,
+    )

@@ -67,15 +67,24 @@ class MessageEncoder:
     def batch_sealed(self, batch: Batch) -> None:
         self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
 
-    def encode(
+    def check(
         self,
-        config: TopicConfig,
         value: bytes | str,
         key: bytes | str | None,
         headers: Mapping[str, str | bytes] | None,
         message_id: bytes | str | int | None,
-        partition: int | None,
-    ) -> Encoded:
+    ) -> None:
+        """The checks of encode() that need no topic: types, sizes, an empty key or id."""
+        self._fields(value, key, headers, message_id, generate=False)
+
+    def _fields(
+        self,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        generate: bool = True,
+    ) -> tuple[bytes, bytes | None, bytes | None, bytes | None, int]:
         # The common case (bytes value and key, no headers) is kept to a handful of checks.
         if type(value) is not bytes:
             value = as_bytes("value", value)
@@ -99,8 +108,20 @@ class MessageEncoder:
                 mid = as_bytes("message_id", message_id)
             if not mid:
                 raise ValueError("message_id must not be empty")
-        elif self._ids is not None:
+        elif self._ids is not None and generate:
             mid = self._ids.next_id()
+        return value, key, headers_b, mid, size
+
+    def encode(
+        self,
+        config: TopicConfig,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+    ) -> Encoded:
+        value, key, headers_b, mid, size = self._fields(value, key, headers, message_id)
         partitions = config.partitions
         if partition is not None:
             if isinstance(partition, bool) or not isinstance(partition, int):

@@ -40,7 +40,7 @@ _ERROR_CODES: dict[type, str] = {
 }
 
 
-def _restore_error_code(exc: redis.ResponseError) -> None:
+def restore_error_code(exc: redis.ResponseError) -> None:
     """redis-py maps some error replies to classes (AskError, MovedError, TryAgainError,
     ReadOnlyError, ...) and strips their code from the message: put it back, so the reply reads
     as the server sent it ("ASK 3999 127.0.0.1:7001") wherever it is checked by its prefix."""
@@ -134,7 +134,7 @@ class Transport:
             try:
                 replies.append(conn.read_response())
             except redis.ResponseError as exc:
-                _restore_error_code(exc)
+                restore_error_code(exc)
                 replies.append(self._redirect(exc) or exc)
         return replies
 

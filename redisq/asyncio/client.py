@@ -1,0 +1,191 @@
+"""Opening a redis.asyncio client for a url, and the asyncio executor of protocol steps.
+
+The same rules as the sync API (redisq.connection): the url, else REDIS_URL, else the embedded
+valkey-server; a cluster by scheme or detected; Sentinel urls; bytes replies; redis-py's
+automatic retries off (redisq retries itself, with the recovery each call needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
+
+from redisq import connection
+from redisq.errors import from_reply
+from redisq.protocol import Command, ScriptCall, Step, Steps
+from redisq.protocol.resp import decode_bulks
+from redisq.scripts import Script, is_fake, pack, script_names
+
+T = TypeVar("T")
+
+
+def _no_retries() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+async def open_client(url: str, **options: Any) -> Any:
+    """A redis.asyncio client for url (see redisq.connection.open_client)."""
+    options = connection.client_options(options)
+    options["retry"] = _no_retries()
+    kind, target = connection.url_kind(url)
+    if kind == "sentinel":
+        return await _open_sentinel(url, options)
+    if kind == "cluster":
+        return await _open_cluster(url, target, options)
+    client = redis.asyncio.Redis.from_url(url, **options)
+    try:
+        info = await client.info("cluster")
+    except redis.RedisError as exc:
+        await client.aclose()
+        raise connection.unreachable(url, exc) from None
+    if info.get("cluster_enabled") in (1, "1"):
+        await client.aclose()
+        return await _open_cluster(url, url, options)
+    return client
+
+
+async def _open_cluster(url: str, cluster_url: str, options: dict[str, Any]) -> RedisCluster:
+    client = RedisCluster.from_url(cluster_url, **options)
+    try:
+        await client.initialize()
+    except (redis.RedisError, RedisClusterException) as exc:
+        await client.aclose()
+        raise connection.unreachable(url, exc) from None
+    return client
+
+
+async def _open_sentinel(url: str, options: dict[str, Any]) -> Any:
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinels, service, sentinel_kwargs = connection.sentinel_parts(url, options)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **options)
+    client = sentinel.master_for(service, redis_class=redis.asyncio.Redis, **options)
+    try:
+        await client.ping()
+    except redis.RedisError as exc:
+        await client.aclose()
+        raise connection.unreachable(url, exc) from None
+    return client
+
+
+async def resolve_url(url: str | None) -> tuple[str, bool]:
+    """(url, embedded?): starting the embedded server blocks, so it runs in a thread."""
+    return await asyncio.to_thread(connection.resolve_url, url)
+
+
+class AsyncScripts:
+    """The script registry of one asyncio broker, and the asyncio executor of protocol steps."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._cluster = isinstance(client, RedisCluster)
+        shebang = not is_fake(client)
+        self._scripts = {name: Script(name, shebang) for name in script_names()}
+
+    def __getitem__(self, name: str) -> Script:
+        return self._scripts[name]
+
+    def pack(self, call: ScriptCall[Any]) -> bytes:
+        """The call as one RESP EVALSHA command, for a connection written to directly."""
+        return pack(self._scripts[call.script], call)
+
+    async def load(self, name: str) -> None:
+        script = self._scripts[name]
+        sha = await self._client.script_load(script.source)
+        if isinstance(sha, bytes):
+            sha = sha.decode()
+        if sha != script.sha:  # pragma: no cover - would mean a SHA1 mismatch in the server
+            raise RuntimeError(f"script {name}: server SHA {sha} != {script.sha}")
+
+    async def call(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], *, topic: str = "?"
+    ) -> Any:
+        """EVALSHA; on NOSCRIPT load and run it again; our error replies come back typed."""
+        script = self._scripts[name]
+        try:
+            try:
+                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await self.load(name)
+                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            mapped = from_reply(str(exc), topic)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    async def run(self, call: ScriptCall[T]) -> T:
+        args = call.args
+        if call.body_count:
+            args = [*args, *decode_bulks(call.body, call.body_count)]
+        return call.decode(await self.call(call.script, call.keys, args, topic=call.topic))
+
+    async def execute(self, steps: Steps) -> Any:
+        """As redisq.scripts.Scripts.execute: a step, or a list of steps pipelined."""
+        if isinstance(steps, ScriptCall):
+            return await self.run(steps)
+        if isinstance(steps, Command):
+            return steps.decode(await self._client.execute_command(*steps.args))
+        if not steps:
+            return []
+        if self._cluster and any(isinstance(step, ScriptCall) for step in steps):
+            results: list[Any] = []
+            for step in steps:  # a cluster pipeline refuses EVALSHA
+                try:
+                    results.append(await self.execute(step))
+                except Exception as exc:
+                    results.append(exc)
+            return results
+        replies = await self._raw_pipeline(steps)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            for i in missing:
+                await self.load(steps[i].script)  # type: ignore[union-attr]
+            again = await self._raw_pipeline([steps[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        results = []
+        for step, reply in zip(steps, replies, strict=True):
+            if isinstance(reply, ResponseError):
+                topic = step.topic if isinstance(step, ScriptCall) else "?"
+                results.append(from_reply(str(reply), topic) or reply)
+            elif isinstance(reply, Exception):
+                results.append(reply)
+            else:
+                results.append(step.decode(reply))
+        return results
+
+    async def _raw_pipeline(self, steps: list[Step]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for step in steps:
+            if isinstance(step, ScriptCall):
+                args = step.args
+                if step.body_count:
+                    args = [*args, *decode_bulks(step.body, step.body_count)]
+                pipe.evalsha(self._scripts[step.script].sha, len(step.keys), *step.keys, *args)
+            else:
+                pipe.execute_command(*step.args)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+async def run_operation(operation: Any, scripts: AsyncScripts) -> Any:
+    """Drive a protocol operation (a generator of steps) with the asyncio executor."""
+    try:
+        steps = next(operation)
+        while True:
+            try:
+                result = await scripts.execute(steps)
+            except Exception as exc:
+                steps = operation.throw(exc)
+            else:
+                steps = operation.send(result)
+    except StopIteration as done:
+        return done.value

@@ -1,0 +1,491 @@
+"""The asyncio producer: the same core (accumulator.py), wire codec (sending.py) and identity
+operations (identity.py) as the thread producer, driven by one sender task.
+
+    async with broker.producer(name="svc") as producer:
+        meta = await producer.send("orders", b"paid", key="order-42")      # acknowledged
+        future = producer.send_async("orders", b"shipped", key="order-42")  # an asyncio.Future
+        await producer.flush()
+
+send_async() never blocks the event loop: it checks and encodes the message and queues it. A
+message for a topic whose metadata is not loaded yet waits (in order) until it is; errors about
+the topic (TopicNotFound) then come through its future. With max_buffered_messages waiting,
+send_async() raises at once (send() waits for room).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Unpack
+
+import redis
+
+from redisq import errors
+from redisq import identity as identity_ops
+from redisq.accumulator import Batch, CoreSettings, ProducerCore
+from redisq.asyncio.transport import AsyncTransport
+from redisq.errors import ProducerClosed, ProducerFenced, UnsupportedServer
+from redisq.keys import validate_name
+from redisq.protocol.produce import ProducerIdentity
+from redisq.records import RecordMetadata
+from redisq.sending import MessageEncoder, Round, script_for
+from redisq.settings import ProducerOptions, ProducerSettings
+from redisq.topic import TopicConfig
+
+if TYPE_CHECKING:
+    from redisq.asyncio.broker import Broker
+
+log = logging.getLogger("redisq.asyncio.producer")
+
+_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+_Send = tuple[str, Any, Any, Any, Any, Any, "asyncio.Future[RecordMetadata]"]
+
+
+def _finished(batch: Batch) -> None:
+    waiters: list[tuple[int, asyncio.Future[RecordMetadata]]] = batch.waiter
+    error = batch.error
+    for index, future in waiters:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(batch.metadata(index))
+
+
+class Producer:
+    """An asyncio producer; see redisq.Producer for the options and the guarantees."""
+
+    def __init__(
+        self, broker: Broker, name: str | None = None, **options: Unpack[ProducerOptions]
+    ) -> None:
+        settings = ProducerSettings.from_options(dict(options))
+        if name is not None:
+            validate_name("producer", name)
+        self.broker = broker
+        self.name = name
+        self.settings = settings
+        self.idempotence = settings.idempotence
+        self.acks = settings.acks
+        self._metadata_max_age_s = settings.metadata_max_age_ms / 1000
+        self._encoder = MessageEncoder(settings)
+        self._keys = broker.keys
+        self._core = ProducerCore(
+            CoreSettings(
+                mode=settings.idempotence,
+                max_batch_messages=settings.max_batch_messages,
+                max_batch_bytes=settings.max_batch_bytes,
+                max_in_flight=settings.max_in_flight,
+                linger_s=settings.linger_ms / 1000,
+                delivery_timeout_s=settings.delivery_timeout_ms / 1000,
+            ),
+            on_finished=self._on_finished,
+            on_sealed=self._encoder.batch_sealed,
+        )
+        self.identity: ProducerIdentity | None = None
+        self._topics: dict[str, tuple[float, TopicConfig]] = {}
+        self._refreshing: set[str] = set()
+        self._deferred: deque[_Send] = deque()
+        self._drainer: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._closed = False
+
+    @property
+    def producer_id(self) -> int | None:
+        return self.identity.producer_id if self.identity else None
+
+    @property
+    def epoch(self) -> int | None:
+        return self.identity.epoch if self.identity else None
+
+    def __repr__(self) -> str:
+        return (
+            f"<redisq.asyncio.Producer name={self.name!r} pid={self.producer_id} "
+            f"epoch={self.epoch} idempotence={self.idempotence!r} acks={self.acks!r}>"
+        )
+
+    async def __aenter__(self) -> Producer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- start: identity -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Take the producer's identity (a named one fences its older instances) and start the
+        sender task. Idempotent; send() and send_async() start the producer themselves."""
+        if self._sender is not None:
+            return
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
+        await self._check_acks_supported()
+        self.identity = await self.broker.run(
+            identity_ops.new_identity(
+                self._keys, self.name, fence=self.settings.idempotence is not None
+            )
+        )
+        self._sender = asyncio.ensure_future(self._run())
+
+    async def _check_acks_supported(self) -> None:
+        client = self.broker.client
+        if self.acks == "fsync" and self.broker.is_cluster:
+            raise UnsupportedServer(
+                'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
+            )
+        if self.acks == "fsync":
+            try:
+                await client.execute_command("WAITAOF", 0, 0, 0)
+            except redis.ResponseError as exc:
+                raise UnsupportedServer(
+                    f'acks="fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8); {self.broker.server} '
+                    "does not have it"
+                ) from exc
+            if not int((await client.info("persistence")).get("aof_enabled", 0)):
+                raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
+
+    # -- topic metadata --------------------------------------------------------------------------
+    async def _topic_config(self, topic: str) -> TopicConfig:
+        cached = self._topics.get(topic)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < self._metadata_max_age_s:
+            return cached[1]
+        await self.start()
+        assert self.identity is not None
+        try:
+            config: TopicConfig = await self.broker.run(
+                identity_ops.topic_metadata(
+                    self._keys,
+                    self.identity,
+                    topic,
+                    register=self.name is not None and self.idempotence is not None,
+                )
+            )
+        except ProducerFenced as exc:
+            self._core.fail_all(exc, fatal=True)
+            raise
+        self._topics[topic] = (time.monotonic(), config)
+        return config
+
+    async def _refresh(self, topic: str) -> None:
+        try:
+            await self._topic_config(topic)
+        except Exception as exc:  # the next send reports it
+            log.debug("metadata refresh of %s failed: %s", topic, exc)
+        finally:
+            self._refreshing.discard(topic)
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send_async(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None,
+        partition: int | None = None,
+    ) -> asyncio.Future[RecordMetadata]:
+        """Queue a message; the future's result is its RecordMetadata (see the module doc)."""
+        core = self._core
+        if core.fatal is not None or core.closing:
+            raise core.fatal or ProducerClosed("send after close()")
+        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        cached = self._topics.get(topic)
+        if cached is None or self._deferred or self._sender is None:
+            # Type and size checks now, whatever the topic; routing once its metadata is in.
+            self._encoder.check(value, key, headers, message_id)
+            self._deferred.append((topic, value, key, headers, message_id, partition, future))
+            if self._drainer is None or self._drainer.done():
+                self._drainer = asyncio.ensure_future(self._drain_deferred())
+            return future
+        if (
+            time.monotonic() - cached[0] >= self._metadata_max_age_s
+            and topic not in self._refreshing
+        ):
+            self._refreshing.add(topic)  # refreshed in the background; this one goes now
+            asyncio.ensure_future(self._refresh(topic))
+        self._enqueue(cached[1], value, key, headers, message_id, partition, future)
+        return future
+
+    def _enqueue(
+        self,
+        config: TopicConfig,
+        value: Any,
+        key: Any,
+        headers: Any,
+        message_id: Any,
+        partition: Any,
+        future: asyncio.Future[RecordMetadata],
+    ) -> Batch:
+        core = self._core
+        if core.buffered >= self.settings.max_buffered_messages:
+            raise errors.RedisqError(
+                f"buffer full ({self.settings.max_buffered_messages} messages): await send() "
+                "or flush() to wait for room"
+            )
+        message = self._encoder.encode(config, value, key, headers, message_id, partition)
+        batch, index, opened = core.append(
+            config, message.partition, message.layout, message.parts, message.size,
+            time.monotonic(),
+        )  # fmt: skip
+        if batch.waiter is None:
+            batch.waiter = []
+        batch.waiter.append((index, future))
+        if opened or batch.sealed:
+            self._wake.set()
+        return batch
+
+    async def _drain_deferred(self) -> None:
+        """Messages queued before their topic's metadata was loaded, in send order."""
+        while self._deferred:
+            topic, value, key, headers, message_id, partition, future = self._deferred[0]
+            try:
+                config = await self._topic_config(topic)
+                self._enqueue(config, value, key, headers, message_id, partition, future)
+            except Exception as exc:
+                if not future.done():
+                    future.set_exception(exc)
+            self._deferred.popleft()
+        self._progress.set()
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None,
+        partition: int | None = None,
+    ) -> RecordMetadata:
+        """Send one message and wait until it is acknowledged (no linger)."""
+        config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
+        while self._deferred:  # keep the order of earlier send_async() calls
+            await self._wait_progress()
+        while self._core.buffered >= self.settings.max_buffered_messages:
+            if self._core.fatal is not None:
+                raise self._core.fatal
+            await self._wait_progress()
+        core = self._core
+        if core.fatal is not None or core.closing:
+            raise core.fatal or ProducerClosed("send after close()")
+        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        batch = self._enqueue(config, value, key, headers, message_id, partition, future)
+        core.seal_batch(batch)
+        self._wake.set()
+        return await future
+
+    async def _wait_progress(self) -> None:
+        self._progress.clear()
+        try:
+            await asyncio.wait_for(self._progress.wait(), 0.5)
+        except TimeoutError:
+            pass
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Send everything buffered now and wait until all of it is acknowledged or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        core = self._core
+        core.flush_requested = True
+        self._wake.set()
+        try:
+            while (core.buffered > 0 or self._deferred) and core.fatal is None:
+                if self._sender is not None and self._sender.done():
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"flush: {core.buffered} messages still unacknowledged")
+                await self._wait_progress()
+        finally:
+            core.flush_requested = False
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush, then stop the sender task."""
+        if self._closed:
+            return
+        try:
+            if self._core.fatal is None and (self._sender is not None or self._deferred):
+                await self.flush(timeout)
+        finally:
+            self._core.closing = True
+            self._wake.set()
+            if self._sender is not None:
+                try:
+                    await asyncio.wait_for(self._sender, 5)
+                except (TimeoutError, Exception) as exc:  # pragma: no cover
+                    log.warning("sender did not stop cleanly: %r", exc)
+            self._closed = True
+
+    def _on_finished(self, batch: Batch) -> None:
+        _finished(batch)
+        self._progress.set()
+
+    # -- the sender task -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        core = self._core
+        settings = self.settings
+        transport = AsyncTransport(
+            self.broker.client, socket_timeout_s=min(30.0, settings.delivery_timeout_ms / 1000)
+        )
+        outstanding: deque[Round] = deque()
+        backoff = settings.retry_backoff_ms / 1000
+        try:
+            while True:
+                if core.fatal is not None:
+                    self._progress.set()
+                    return
+                if not outstanding and (core.needs_new_identity or core.fences_needed):
+                    done = await (
+                        self._renew_identity() if core.needs_new_identity else self._fence()
+                    )
+                    if not done and core.fatal is None:
+                        core.expire(time.monotonic())
+                        self._progress.set()
+                        await asyncio.sleep(backoff * (0.5 + random.random()))
+                        backoff = min(backoff * 2, 1.0)
+                    continue
+                if core.reload_scripts:
+                    await self._reload_scripts()
+                next_deadline = core.seal_due(time.monotonic())
+                work = core.pick_work() if len(outstanding) < 2 else []
+                if not work and not outstanding:
+                    if core.closing:
+                        return
+                    if core.needs_new_identity or core.fences_needed:
+                        continue
+                    wait = 1.0 if next_deadline is None else next_deadline - time.monotonic()
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
+                    except TimeoutError:
+                        pass
+                    continue
+                deadline = core.oldest_deadline()
+                try:
+                    if work:
+                        round_ = Round.build(
+                            work,
+                            core=core,
+                            keys=self._keys,
+                            settings=settings,
+                            identity=self._identity(),
+                            pack=self.broker.scripts.pack,
+                            router=transport,
+                        )
+                        outstanding.append(round_)
+                        for node, payload in round_.payloads.items():
+                            await transport.send(node, payload)
+                    if outstanding and (len(outstanding) >= 2 or not work):
+                        first = outstanding[0]
+                        replies = {
+                            node: await transport.read(node, first.expected_replies(node), deadline)
+                            for node in first.payloads
+                        }
+                        outstanding.popleft()
+                        progress, retry = first.settle(
+                            replies,
+                            core=core,
+                            keys=self._keys,
+                            settings=settings,
+                            router=transport,
+                            forget_topic=self._forget_topic,
+                        )
+                        if retry:
+                            core.expire(time.monotonic())
+                        self._progress.set()
+                        if retry and not progress:
+                            await asyncio.sleep(backoff * (0.5 + random.random()))
+                            backoff = min(backoff * 2, 1.0)
+                        elif progress:
+                            backoff = settings.retry_backoff_ms / 1000
+                except _NETWORK_ERRORS as exc:
+                    log.warning("connection lost (%s); re-sending in-flight batches", exc)
+                    await transport.reset()
+                    for round_ in outstanding:
+                        core.connection_lost(round_.batches(), exc)
+                    core.connection_lost(work, exc)
+                    outstanding.clear()
+                    core.expire(time.monotonic())
+                    self._progress.set()
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, 1.0)
+                except Exception as exc:  # never let the sender die silently
+                    log.exception("sender round failed")
+                    await transport.reset()
+                    for round_ in outstanding:
+                        core.connection_lost(round_.batches(), exc)
+                    core.connection_lost(work, exc)
+                    outstanding.clear()
+                    core.fail_unknown(errors.RedisqError(f"sender failed: {exc!r}"), None)
+                    self._progress.set()
+        finally:
+            await transport.close()
+
+    def _identity(self) -> ProducerIdentity:
+        assert self.identity is not None, "the producer is started before anything is sent"
+        return self.identity
+
+    def _forget_topic(self, topic: str) -> None:
+        self._topics.pop(topic, None)
+        self.broker.forget_topic(topic)
+
+    async def _renew_identity(self) -> bool:
+        abandoned = sorted(self._core.abandoned)
+        try:
+            identity = await self.broker.run(
+                identity_ops.renew_identity(
+                    self._keys,
+                    self._identity(),
+                    abandoned,
+                    fence=self.settings.idempotence is not None,
+                )
+            )
+        except _NETWORK_ERRORS as exc:
+            log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
+            self._core.last_error = exc
+            return False
+        except Exception as exc:  # ProducerFenced: a newer instance took the name
+            self._core.fail_all(exc, fatal=True)
+            return False
+        self.identity = identity
+        self._core.identity_renewed()
+        log.warning(
+            "producer %s: new epoch %d after failed batches (fenced %d partitions)",
+            self.name or identity.producer_id,
+            identity.epoch,
+            len(abandoned),
+        )
+        return True
+
+    async def _fence(self) -> bool:
+        needed = sorted(self._core.fences_needed)
+        try:
+            await self.broker.run(
+                identity_ops.prove_and_fence(self._keys, self._identity(), needed)
+            )
+        except _NETWORK_ERRORS as exc:
+            log.warning("cannot fence yet: %s", type(exc).__name__)
+            return False
+        except Exception as exc:
+            self._core.fail_all(exc, fatal=True)
+            return False
+        for key in needed:
+            self._core.partition_fenced(key)
+        return True
+
+    async def _reload_scripts(self) -> None:
+        try:
+            await self.broker.scripts.load(script_for(self.settings))
+            await self.broker.scripts.load("fence_producer")
+            self._core.reload_scripts = False
+        except _NETWORK_ERRORS as exc:
+            log.warning("cannot load scripts yet: %s", type(exc).__name__)

@@ -1,0 +1,121 @@
+"""The asyncio producer's wire: what redisq.transport does, on redis.asyncio connections.
+
+Dedicated connections (one per node), pre-encoded rounds written whole, replies read no later
+than the caller's deadline (a silent socket cannot hold a send past its delivery timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import redis
+from redis.asyncio.cluster import RedisCluster
+
+from redisq.transport import DeadlineReached, Redirect, restore_error_code
+
+log = logging.getLogger("redisq.asyncio.transport")
+
+
+class AsyncTransport:
+    def __init__(self, client: Any, socket_timeout_s: float = 30.0) -> None:
+        self._client = client
+        self._socket_timeout_s = socket_timeout_s
+        self.is_cluster = isinstance(client, RedisCluster)
+        self._connections: dict[str, Any] = {}
+        self._asking: dict[str, str] = {}
+
+    # -- routing (sync: the slot map is in memory) ----------------------------------------------
+    def node_for(self, key: str) -> str:
+        if not self.is_cluster:
+            return "default"
+        asked = self._asking.get(key)
+        if asked is not None:
+            return asked
+        return str(self._client.get_node_from_key(key).name)
+
+    def asking(self, key: str) -> bool:
+        return key in self._asking
+
+    def forget_asking(self, key: str) -> None:
+        self._asking.pop(key, None)
+
+    def note_ask(self, key: str, node: str) -> None:
+        self._asking[key] = node
+
+    # -- connections -----------------------------------------------------------------------------
+    async def _connection(self, node: str) -> Any:
+        conn = self._connections.get(node)
+        if conn is None:
+            if self.is_cluster:
+                cluster_node = self._client.get_node(node_name=node)
+                if cluster_node is None:
+                    await self._client.initialize()
+                    raise redis.ConnectionError(f"unknown cluster node {node}")
+                connection_class = cluster_node.connection_class
+                kwargs = dict(cluster_node.connection_kwargs)
+            else:
+                pool = self._client.connection_pool
+                connection_class = pool.connection_class
+                kwargs = dict(pool.connection_kwargs)
+            kwargs["socket_timeout"] = self._socket_timeout_s
+            conn = connection_class(**kwargs)
+            await conn.connect()
+            self._connections[node] = conn
+        return conn
+
+    async def send(self, node: str, payload: bytes) -> None:
+        conn = await self._connection(node)
+        await conn.send_packed_command(payload, check_health=False)
+
+    async def read(self, node: str, count: int, deadline: float | None = None) -> list[Any]:
+        """count replies from node, error replies as exception objects; DeadlineReached once the
+        deadline (time.monotonic()) passes with a reply missing."""
+        conn = await self._connection(node)
+        replies: list[Any] = []
+        for _ in range(count):
+            try:
+                if deadline is None:
+                    reply = await conn.read_response()
+                else:
+                    remaining = max(0.0, deadline - time.monotonic())
+                    try:
+                        reply = await asyncio.wait_for(conn.read_response(), remaining)
+                    except TimeoutError:
+                        raise DeadlineReached(
+                            f"no reply from {node} within the delivery timeout"
+                        ) from None
+                replies.append(reply)
+            except redis.ResponseError as exc:
+                restore_error_code(exc)
+                replies.append(_redirect(exc) or exc)
+        if any(isinstance(r, Redirect) and r.kind == "MOVED" for r in replies):
+            await self._client.nodes_manager.initialize()  # the slot map changed
+        return replies
+
+    async def reset(self) -> None:
+        """Drop every connection (after a connection error: replies in flight are lost)."""
+        for conn in self._connections.values():
+            try:
+                await conn.disconnect()
+            except Exception:  # pragma: no cover - best effort
+                pass
+        self._connections.clear()
+        if self.is_cluster:
+            try:
+                await self._client.nodes_manager.initialize()
+            except Exception as exc:
+                log.warning("cluster topology refresh failed: %s", type(exc).__name__)
+
+    async def close(self) -> None:
+        await self.reset()
+
+
+def _redirect(exc: redis.ResponseError) -> Redirect | None:
+    text = str(exc)
+    if text.startswith(("MOVED ", "ASK ")):
+        kind, _slot, node = text.split(" ", 2)
+        return Redirect(kind, node)
+    return None
