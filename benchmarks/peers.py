@@ -75,6 +75,7 @@ class Skip(Exception):
 
 @dataclass
 class Outcome:
+    variant: str  # as shown (the key in Bench.outcomes also names the server)
     section: str  # "produce" or "consume"
     system: str  # "raw", "redisq", "nats", "rabbit"
     server: str
@@ -107,6 +108,13 @@ def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def last_stream(streams: list[str]) -> str:
+    """The stream this round's produce variant left to read."""
+    if not streams:
+        raise RuntimeError("nothing to read: this round's produce failed")
+    return streams.pop()
+
+
 # -- Redis / Valkey ------------------------------------------------------------------------------
 class RedisSide:
     """The raw and redisq variants on one server; produce leaves its data for consume."""
@@ -118,6 +126,12 @@ class RedisSide:
         self.work = work
         self.handoff: dict[str, Any] = {}
         self.leftover_streams: set[str] = set()
+
+    def _take(self, source: str) -> Any:
+        """What this round's produce variant left to read."""
+        if source not in self.handoff:
+            raise RuntimeError(f"nothing to read: this round's {source} produce failed")
+        return self.handoff.pop(source)
 
     def raw_produce(self) -> tuple[float, str]:
         streams = [f"{self.broker.namespace}:raw:{uuid.uuid4().hex[:6]}:{p}" for p in range(4)]
@@ -137,7 +151,7 @@ class RedisSide:
         return self.work.n / elapsed, "no deduplication (baseline)"
 
     def raw_consume(self) -> tuple[float, str]:
-        streams = self.handoff.pop("raw")
+        streams = self._take("raw")
         group = "raw"
         for stream in streams:
             self.client.xgroup_create(stream, group, id="0")
@@ -196,7 +210,7 @@ class RedisSide:
         return work.n / elapsed, check
 
     def redisq_consume_run(self, source: str) -> tuple[float, str]:
-        topic = self.handoff.pop(source)
+        topic = self._take(source)
         n = self.work.n
         counter = itertools.count(1)  # next() is atomic under the GIL: handlers run in threads
         finished = [0.0]
@@ -214,7 +228,7 @@ class RedisSide:
         return n / (finished[0] - start), f"handled {handled:,}"
 
     def redisq_consume_poll(self, source: str) -> tuple[float, str]:
-        topic = self.handoff.pop(source)
+        topic = self._take(source)
         n = self.work.n
         read = 0
         with self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly") as c:
@@ -254,6 +268,12 @@ class NatsSide:
             import nats  # noqa: F401
         except ImportError as exc:
             raise Skip("nats-py is not installed (pip install -e '.[bench]')") from exc
+
+        from urllib.parse import urlsplit
+
+        where = urlsplit(self.url)
+        if not port_open(where.hostname or "127.0.0.1", where.port or 4222):
+            raise Skip(f"nothing listens at {self.url} (nats-server -js starts one)")
 
         async def info() -> str:
             import nats
@@ -315,7 +335,7 @@ class NatsSide:
         return work.n / elapsed, check
 
     def consume(self) -> tuple[float, str]:
-        return asyncio.run(self._consume(self.streams.pop()))
+        return asyncio.run(self._consume(last_stream(self.streams)))
 
     async def _consume(self, name: str) -> tuple[float, str]:
         import nats
@@ -372,7 +392,8 @@ class RabbitSide:
         if not port_open(self.host, self.port):
             how = "rabbitmq-plugins enable rabbitmq_stream (then port 5552 listens)"
             tool = shutil.which("rabbitmq-plugins")
-            if not enable or tool is None or self.host not in ("127.0.0.1", "localhost"):
+            local = self.host in ("127.0.0.1", "localhost") and self.port == 5552
+            if not enable or tool is None or not local:
                 raise Skip(f"nothing listens on {self.host}:{self.port}; enable with: {how}")
             print(f"enabling the rabbitmq_stream plugin ({how})", file=sys.stderr)
             done = subprocess.run(
@@ -474,7 +495,7 @@ class RabbitSide:
             return int(await asyncio.wait_for(found, 10))
 
     def consume(self) -> tuple[float, str]:
-        return asyncio.run(self._consume(self.streams.pop()))
+        return asyncio.run(self._consume(last_stream(self.streams)))
 
     async def _consume(self, name: str) -> tuple[float, str]:
         from rstream import Consumer, ConsumerOffsetSpecification, OffsetType
@@ -574,31 +595,33 @@ class Bench:
             ("consume", "consume, in order"),
         ):
             rows = []
-            for name, o in self.outcomes.items():
+            for o in self.outcomes.values():
                 if o.section != section:
                     continue
                 if o.skipped or o.median is None:
                     note = f"skipped: {o.skipped}" if o.skipped else f"failed: {o.errors[0]}"
-                    rows.append([name, o.server, "-", "-", note])
+                    rows.append([o.variant, o.server, "-", "-", note])
                     continue
-                base = self._find(section, "raw", o.server)
+                same = o.server if o.system in ("raw", "redisq") else None
+                base = self._find(section, "raw", same)  # a peer's: raw on the --url server
                 vs_raw = f"{o.median / base:.2f}x" if base else "-"
                 check = o.checks[-1] if len(set(o.checks)) == 1 else "; ".join(o.checks)
-                rows.append([name, o.server, f"{o.median:,.0f}", vs_raw, check])
-            print_table([title, "server", "msg/s", "vs raw (same server)", "check"], rows, markdown)
+                rows.append([o.variant, o.server, f"{o.median:,.0f}", vs_raw, check])
+            heads = [title, "server", "msg/s", "vs raw", "check"]
+            print_table(heads, rows, markdown, text_columns=(1, 4))
             peers = {"raw": "raw", "nats": "NATS JetStream", "rabbit": "RabbitMQ Streams"}
             ratio_rows = []
-            for name, o in self.outcomes.items():
+            for o in self.outcomes.values():
                 if o.section != section or o.system != "redisq" or o.median is None:
                     continue
-                cells = [name, o.server]
+                cells = [o.variant, o.server]
                 for system in peers:
                     base = self._find(section, system, o.server if system == "raw" else None)
                     cells.append(f"{o.median / base:.2f}x" if base else "-")
                 ratio_rows.append(cells)
             if ratio_rows:
                 heads = [f"redisq / peer: {title}", "server"] + [f"/ {p}" for p in peers.values()]
-                print_table(heads, ratio_rows, markdown)
+                print_table(heads, ratio_rows, markdown, text_columns=(1,))
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -620,7 +643,7 @@ def add_redis(bench: Bench, side: RedisSide, suffix: str) -> None:
     srv = side.label
 
     def add(section: str, system: str, name: str, run: Callable[[], tuple[float, str]]) -> None:
-        bench.add(name + suffix, Outcome(section, system, srv), run)
+        bench.add(name + suffix, Outcome(name, section, system, srv), run)
 
     add("produce", "raw", RAW_PRODUCE, side.raw_produce)
     add("consume", "raw", RAW_CONSUME, side.raw_consume)
@@ -678,28 +701,25 @@ def main(argv: list[str] | None = None) -> int:
             sides.append(vside)
             add_redis(bench, vside, f" [{vside.label}]")
 
-        nats_side = NatsSide(args.nats, work)
-        try:
-            server = nats_side.probe()
-            sides.append(nats_side)
-            bench.add(NATS_PRODUCE, Outcome("produce", "nats", server), nats_side.produce)
-            bench.add(NATS_CONSUME, Outcome("consume", "nats", server), nats_side.consume)
-        except Skip as skip:
-            print(f"skipping NATS JetStream: {skip}", file=sys.stderr)
-            bench.skip(NATS_PRODUCE, Outcome("produce", "nats", "-"), str(skip))
-            bench.skip(NATS_CONSUME, Outcome("consume", "nats", "-"), str(skip))
-
         host, _, port = args.rabbit.rpartition(":")
         rabbit = RabbitSide(host, int(port), args.rabbit_user, args.rabbit_password, work)
-        try:
-            server = rabbit.probe(enable=not args.no_enable_plugin)
-            sides.append(rabbit)
-            bench.add(RABBIT_PRODUCE, Outcome("produce", "rabbit", server), rabbit.produce)
-            bench.add(RABBIT_CONSUME, Outcome("consume", "rabbit", server), rabbit.consume)
-        except Skip as skip:
-            print(f"skipping RabbitMQ Streams: {skip}", file=sys.stderr)
-            bench.skip(RABBIT_PRODUCE, Outcome("produce", "rabbit", "-"), str(skip))
-            bench.skip(RABBIT_CONSUME, Outcome("consume", "rabbit", "-"), str(skip))
+        nats_side = NatsSide(args.nats, work)
+        for peer, system, names, probe in (
+            (nats_side, "nats", (NATS_PRODUCE, NATS_CONSUME), nats_side.probe),
+            (rabbit, "rabbit", (RABBIT_PRODUCE, RABBIT_CONSUME),
+             lambda: rabbit.probe(enable=not args.no_enable_plugin)),
+        ):  # fmt: skip
+            runs = (peer.produce, peer.consume)
+            try:
+                server = probe()
+            except Skip as skip:
+                print(f"skipping {system}: {skip}", file=sys.stderr)
+                for name, section in zip(names, ("produce", "consume"), strict=True):
+                    bench.skip(name, Outcome(name, section, system, "-"), str(skip))
+                continue
+            sides.append(peer)
+            for name, section, run in zip(names, ("produce", "consume"), runs, strict=True):
+                bench.add(name, Outcome(name, section, system, server), run)
 
         started = time.monotonic()
         bench.run(args.rounds)
@@ -729,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"\n{args.messages:,} keyed messages of 100 B (keys key-<i % 1000>), median of "
-        f"{args.rounds} interleaved rounds, {seconds:.0f} s; {os.cpu_count()} cores, {load}"
+        f"{args.rounds} interleaved rounds, {seconds:.0f} s; {os.cpu_count()} cores, {load}. "
+        "vs raw: to raw redis-py on the same server (a peer's: on the --url server)"
     )
     bench.tables(args.markdown)
     return 0

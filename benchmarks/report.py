@@ -35,17 +35,26 @@ def ratio_rows(
     return rows
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> None:
-    """The first column left-aligned, the others right-aligned (numbers)."""
+def print_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    markdown: bool,
+    text_columns: Sequence[int] = (),
+) -> None:
+    """The first column and text_columns (indexes) left-aligned, the others right-aligned
+    (numbers)."""
+    left = {0, *text_columns}
     if markdown:
         print("\n| " + " | ".join(headers) + " |")
-        print("| --- |" + " ---: |" * (len(headers) - 1))
+        print("|" + "|".join(" --- " if i in left else " ---: " for i in range(len(headers))) + "|")
         for row in rows:
             print("| " + " | ".join(row) + " |")
         return
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     print()
     for row in [headers, *rows]:
-        cells = [str(row[0]).ljust(widths[0])]
-        cells += [str(c).rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        print("  ".join(cells))
+        cells = [
+            str(c).ljust(w) if i in left else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
