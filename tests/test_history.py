@@ -24,6 +24,7 @@ from tests.history.deployments import (
 )
 from tests.history.harness import (
     DRAIN_S,
+    PRODUCER,
     TOPIC,
     Run,
     assert_no_violations,
@@ -34,7 +35,6 @@ from tests.servers import ServerProcess, binary_for
 pytestmark = pytest.mark.fault
 
 KINDS = ["valkey", "redis"]
-PRODUCER = {"max_batch_messages": 50, "linger_ms": 2, "delivery_timeout_ms": 30_000}
 LEASE_TTL_MS = 1500
 
 

@@ -20,6 +20,7 @@ import redis
 import redisq
 from tests.history.checker import Stored
 from tests.history.harness import (
+    PRODUCER,
     TOPIC,
     Run,
     assert_no_violations,
@@ -31,7 +32,6 @@ from tests.servers import ServerProcess, binary_for
 pytestmark = pytest.mark.fault
 
 KINDS = ["valkey", "redis"]
-PRODUCER = {"max_batch_messages": 50, "linger_ms": 2}
 LEASE_TTL_MS = 1500
 CONSUMER = {"lease_ttl_ms": LEASE_TTL_MS}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ import redis
 
 import redisq
 from tests.history.checker import Stored
-from tests.history.harness import TOPIC, Run, assert_no_violations, read_stored
+from tests.history.faults import wait_until
+from tests.history.harness import PRODUCER, TOPIC, Run, assert_no_violations, read_stored
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess, binary_for
 
@@ -49,6 +51,11 @@ def setup(run: Run, partitions: int) -> None:
 
 
 SET_K = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\nlate\r\n"
+SET_J = b"*3\r\n$3\r\nSET\r\n$1\r\nj\r\n$6\r\nhealed\r\n"
+
+
+def run_wait(condition: Callable[[], object]) -> None:
+    wait_until(condition, 5, "the proxy")
 
 
 def test_proxy_modes() -> None:
@@ -67,20 +74,24 @@ def test_proxy_modes() -> None:
         proxy.pass_through()
 
         proxy.blackhole()
-        held = socket.create_connection(("127.0.0.1", proxy.port))
-        held.sendall(SET_K)
-        deadline = time.monotonic() + 5
-        while proxy.stats()["held_bytes"] < len(SET_K) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proxy.stats()["held_bytes"] == len(SET_K)
-        held.close()  # the client gives up; its bytes are still on their way
-        proxy.heal(release=False)
+        late = socket.create_connection(("127.0.0.1", proxy.port))
+        late.sendall(SET_K)
+        run_wait(lambda: len(proxy.held_connections()) == 1)
+        [kept] = proxy.held_connections()
+        other = socket.create_connection(("127.0.0.1", proxy.port))
+        other.sendall(SET_J)
+        run_wait(lambda: len(proxy.held_connections()) == 2)
+        assert proxy.stats()["held_bytes"] == len(SET_K) + len(SET_J)
+        late.close()  # the client gives up; its bytes are still on their way
+        proxy.heal(keep=[kept])
+        run_wait(lambda: direct.get("j") == b"healed")  # held elsewhere: delivered at heal
         fresh = redis.Redis(port=proxy.port, socket_timeout=5)
         assert fresh.ping()  # a new connection passes at once
-        assert direct.get("k") is None  # the held SET has not arrived
+        assert direct.get("k") is None  # the kept connection's SET has not arrived
         assert proxy.release_held() == 1
         assert proxy.wait_released(5)
         assert direct.get("k") == b"late"  # the late copy really arrived
+        other.close()
 
         raw = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
         raw.sendall(b"PING\r\n")
@@ -126,17 +137,22 @@ def test_blackhole_past_delivery_timeout(
             assert "error" not in outcome, f"before any fault: {outcome}"
         run.driver.record("blackhole", "proxy")
         proxy.blackhole()
-        [cut_off] = send(1)
+        producer.start_command("send", key="k0", count=1)
+        run.wait(proxy.held_connections, 10, "the send to reach the blackhole")
+        abandoned = proxy.held_connections()  # the batch the producer will give up on
+        [cut_off] = producer.wait_reply("send", timeout=180)["outcomes"]
         limit = 2 * DELIVERY_TIMEOUT_MS / 1000
         if cut_off.get("error") != "DeliveryTimeout":
             notes.append(f"send() during the blackhole ended with {cut_off}, not DeliveryTimeout")
-        if float(cut_off["elapsed"]) > limit:  # type: ignore[arg-type]
+        if float(cut_off["elapsed"]) > limit:
             notes.append(
                 f"send() failed after {cut_off['elapsed']:.1f} s, more than twice "
                 f"delivery_timeout_ms={DELIVERY_TIMEOUT_MS}"
             )
-        run.driver.record("heal_new_connections", "proxy")
-        proxy.heal(release=False)
+        # The network heals: whatever the producer tried meanwhile goes through now, except the
+        # abandoned batch's bytes, which stay on their way.
+        run.driver.record("heal_except", "proxy", keep=abandoned)
+        proxy.heal(keep=abandoned)
         for outcome in send(3):
             if "error" in outcome:
                 notes.append(f"send() after the network healed failed: {outcome}")
@@ -163,7 +179,7 @@ def test_consumer_cut_off_past_lease(server: ServerProcess, tmp_path: Path) -> N
     with Run(tmp_path, server.url, servers=[server]) as run:
         setup(run, partitions=4)
         proxy = run.proxy(server.port)
-        run.producer("A", options={"linger_ms": 2})
+        run.producer("A", options=PRODUCER)
         run.consumer("c1", url=proxy.url, options={"lease_ttl_ms": LEASE_TTL_MS}, work_ms=3)
         run.consumer("c2", options={"lease_ttl_ms": LEASE_TTL_MS}, work_ms=3)
         run.workers["A"].command("stream", count=1500, rate=400, keys=16)
@@ -178,7 +194,7 @@ def test_consumer_cut_off_past_lease(server: ServerProcess, tmp_path: Path) -> N
             60, "c2 to take c1's partitions over",
         )  # fmt: skip
         hold(max(0.0, 2 * LEASE_TTL_MS / 1000 - (time.time() * 1000 - cut) / 1000))
-        proxy.heal(release=True)
+        proxy.heal()
         run.driver.record("heal", "proxy")
         run.wait_streams(["A"])
         problems = run.close_producers(["A"])
@@ -201,7 +217,7 @@ def test_flaky_network(server: ServerProcess, tmp_path: Path) -> None:
     with Run(tmp_path, server.url, servers=[server]) as run:
         setup(run, partitions=4)
         proxy = run.proxy(server.port)
-        run.producer("A", url=proxy.url, options={"linger_ms": 2, "max_batch_messages": 50})
+        run.producer("A", url=proxy.url, options=PRODUCER)
         for proc in ("c1", "c2"):
             run.consumer(proc, url=proxy.url, options={"lease_ttl_ms": LEASE_TTL_MS}, work_ms=2)
         run.workers["A"].command("stream", count=2000, rate=400, keys=16)
@@ -216,7 +232,7 @@ def test_flaky_network(server: ServerProcess, tmp_path: Path) -> None:
             run.driver.record("blackhole", "proxy")
             proxy.blackhole()
             hold(0.3)
-            proxy.heal(release=True)
+            proxy.heal()
             run.driver.record("heal", "proxy")
             hold(0.3)
         run.wait_streams(["A"])

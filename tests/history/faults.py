@@ -53,9 +53,16 @@ class WorkerProcess:
 
     def command(self, op: str, timeout: float = 120.0, **fields: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (AssertionError if the process died)."""
+        self.start_command(op, **fields)
+        return self.wait_reply(op, timeout)
+
+    def start_command(self, op: str, **fields: Any) -> None:
+        """Send one command; its answer is taken with wait_reply()."""
         assert self.popen.stdin is not None
         self.popen.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.popen.stdin.flush()
+
+    def wait_reply(self, op: str, timeout: float = 120.0) -> dict[str, Any]:
         try:
             reply = self._replies.get(timeout=timeout)
         except queue.Empty:

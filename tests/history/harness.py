@@ -32,6 +32,10 @@ GROUP = "g"
 # Drains and recoveries get this long (generous: the machine has 2 shared cores); a healthy run
 # takes a few seconds. A test that fails waits this long once.
 DRAIN_S = float(os.environ.get("REDISQ_HISTORY_DRAIN_S", "30"))
+# Producers in the scenarios use delivery_timeout_ms=30000 (PRODUCER): a flush after the faults
+# must be done within that plus a margin.
+FLUSH_S = 45.0
+PRODUCER = {"max_batch_messages": 50, "linger_ms": 2, "delivery_timeout_ms": 30_000}
 
 
 def new_namespace() -> str:
@@ -183,9 +187,11 @@ class Run:
             self.wait(lambda p=proc: self.count("stream_end", p) > 0, timeout,
                       f"the stream of {proc} to end")  # fmt: skip
 
-    def close_producers(self, procs: Iterable[str], timeout: float = 60) -> list[str]:
-        """Stop each producer's stream, flush and close it; returns what went wrong (a flush
-        that cannot finish is a liveness failure the scenario reports)."""
+    def close_producers(self, procs: Iterable[str], timeout: float = FLUSH_S) -> list[str]:
+        """Stop each producer's stream, flush and close it; returns what went wrong. Once the
+        faults are over every send must resolve (acknowledged or failed) within its delivery
+        timeout (30 s in these scenarios): a flush that does not finish within `timeout` is a
+        liveness failure the scenario reports (and the producer is then left to be stopped)."""
         problems = []
         for proc in procs:
             worker = self.workers[proc]
@@ -193,6 +199,7 @@ class Run:
                 reply = worker.command(op, timeout=timeout + 30, timeout_s=timeout)
                 if "error" in reply:
                     problems.append(f"{proc} {op}: {reply['error']}: {reply.get('message')}")
+                    break
         return problems
 
     def summary(self) -> str:

@@ -6,10 +6,11 @@ Modes (for every connection, new and existing):
     blackhole     accept and read, forward nothing: the bytes are held, in order, per connection
                   and direction, as a network that has lost its route but not the packets
 and actions:
-    heal(release=True)   back to pass; held bytes are forwarded now (a late copy really arrives)
-    heal(release=False)  back to pass for new connections; the connections held so far stay
-                         frozen (bytes held, even after their client has gone) until
-                         release_held() forwards what they hold
+    heal(keep=())        back to pass; what every held connection holds is forwarded now, except
+                         the connections in `keep`: they stay frozen (bytes held, even after
+                         their client has gone) until release_held() forwards what they hold,
+                         so a late copy of exactly those bytes really arrives later
+    held_connections()   the frozen connections holding bytes for the server (ids for `keep`)
     reset_all()          abort every connection with a TCP RST (SO_LINGER 0)
 
 It runs an asyncio loop in a thread of its own; the methods are called from the test's thread.
@@ -22,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -82,8 +83,11 @@ class Proxy:
     def blackhole(self) -> None:
         self._call(self._set_mode("blackhole", 0.0))
 
-    def heal(self, release: bool = True) -> None:
-        self._call(self._heal(release))
+    def heal(self, keep: Iterable[int] = ()) -> None:
+        self._call(self._heal(set(keep)))
+
+    def held_connections(self) -> list[int]:
+        return self._call(self._held_connections())
 
     def release_held(self) -> int:
         """Forward what frozen connections hold; returns how many had bytes for the server."""
@@ -129,15 +133,17 @@ class Proxy:
             for conn in self._connections.values():
                 conn.frozen = True
 
-    async def _heal(self, release: bool) -> None:
+    async def _heal(self, keep: set[int]) -> None:
         self.mode, self.delay_s = "pass", 0.0
-        if release:
-            await self._release_held()
+        await self._release_held(keep)
 
-    async def _release_held(self) -> int:
+    async def _held_connections(self) -> list[int]:
+        return [n for n, c in self._connections.items() if c.frozen and c.to_server.held]
+
+    async def _release_held(self, keep: set[int] | None = None) -> int:
         released = 0
         for conn in list(self._connections.values()):
-            if not conn.frozen:
+            if not conn.frozen or (keep is not None and conn.number in keep):
                 continue
             conn.frozen = False
             if conn.to_server.held:
