@@ -61,7 +61,7 @@ from report import print_table, run_rounds
 
 import redisq
 
-PAYLOAD = b"x" * 100
+INDEX_DIGITS = 8  # a value is its message index, zero-padded, then filler: 100 bytes
 PARTITIONS = 4
 RESEND = 1000  # messages sent again by each deduplication check
 RABBIT_MAX_UNCONFIRMED = 10_000
@@ -91,13 +91,46 @@ class Outcome:
 
 @dataclass
 class Workload:
+    """Message i: key key-<i % 1000>, a 100-byte value that starts with i (so a reader can
+    check order per key), message id m-<i> (message_id mode, Nats-Msg-Id)."""
+
     n: int
     keys: list[bytes]
-    ids: list[str]  # message ids for message_id mode and Nats-Msg-Id
+    values: list[bytes]
+    ids: list[str]
 
     @classmethod
     def make(cls, n: int) -> Workload:
-        return cls(n, [b"key-%d" % (i % 1000) for i in range(n)], [f"m-{i}" for i in range(n)])
+        fill = b"x" * (100 - INDEX_DIGITS)
+        return cls(
+            n,
+            [b"key-%d" % (i % 1000) for i in range(n)],
+            [b"%08d" % i + fill for i in range(n)],
+            [f"m-{i}" for i in range(n)],
+        )
+
+
+class OrderCheck:
+    """What a reader saw: per key, the message indexes must rise (nothing out of order,
+    nothing twice); with the count, that is every message once, in order."""
+
+    def __init__(self) -> None:
+        self.last = [-1] * 1000
+        self.count = 0
+        self.disorder = 0
+
+    def see(self, value: bytes, at: int = 0) -> None:
+        i = int(value[at : at + INDEX_DIGITS])
+        if i <= self.last[i % 1000]:
+            self.disorder += 1
+        self.last[i % 1000] = i
+        self.count += 1
+
+    def verdict(self, n: int) -> str:
+        """ "read N in order" or a RuntimeError."""
+        if self.count != n or self.disorder:
+            raise RuntimeError(f"read {self.count:,} of {n:,}, {self.disorder:,} out of order")
+        return f"read {n:,}, per-key order held"
 
 
 def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
@@ -138,8 +171,8 @@ class RedisSide:
         self.leftover_streams.update(streams)
         pipe = self.client.pipeline(transaction=False)
         start = time.perf_counter()
-        for i, key in enumerate(self.work.keys):
-            pipe.xadd(streams[zlib.crc32(key) % PARTITIONS], {"k": key, "v": PAYLOAD})
+        for i, (key, value) in enumerate(zip(self.work.keys, self.work.values, strict=True)):
+            pipe.xadd(streams[zlib.crc32(key) % PARTITIONS], {"k": key, "v": value})
             if (i + 1) % 1000 == 0:
                 pipe.execute()
         pipe.execute()
@@ -155,19 +188,20 @@ class RedisSide:
         group = "raw"
         for stream in streams:
             self.client.xgroup_create(stream, group, id="0")
-        read = 0
+        check = OrderCheck()
         start = time.perf_counter()
-        while read < self.work.n:
+        while check.count < self.work.n:
             for stream in streams:
                 reply = self.client.xreadgroup(group, "c", {stream: ">"}, count=1000)
                 if reply:
                     entries = reply[0][1]
+                    for _entry_id, fields in entries:
+                        check.see(fields[b"v"])
                     self.client.xack(stream, group, *[entry_id for entry_id, _ in entries])
-                    read += len(entries)
         elapsed = time.perf_counter() - start
         self.client.delete(*streams)
         self.leftover_streams.difference_update(streams)
-        return self.work.n / elapsed, f"read {read:,}"
+        return self.work.n / elapsed, check.verdict(self.work.n)
 
     def redisq_produce(
         self, idempotence: str, partitions: int, keep: str | None
@@ -179,11 +213,11 @@ class RedisSide:
             send = producer.send_async
             start = time.perf_counter()
             if idempotence == "message_id":
-                for key, message_id in zip(work.keys, work.ids, strict=True):
-                    send(topic, PAYLOAD, key=key, message_id=message_id)
+                for key, value, message_id in zip(work.keys, work.values, work.ids, strict=True):
+                    send(topic, value, key=key, message_id=message_id)
             else:
-                for key in work.keys:
-                    send(topic, PAYLOAD, key=key)
+                for key, value in zip(work.keys, work.values, strict=True):
+                    send(topic, value, key=key)
             producer.flush()
             elapsed = time.perf_counter() - start
         stored = broker.describe_topic(topic).total_messages
@@ -192,7 +226,9 @@ class RedisSide:
         if idempotence == "message_id":
             with broker.producer(idempotence="message_id") as again:
                 futures = [
-                    again.send_async(topic, PAYLOAD, key=work.keys[i], message_id=work.ids[i])
+                    again.send_async(
+                        topic, work.values[i], key=work.keys[i], message_id=work.ids[i]
+                    )
                     for i in range(RESEND)
                 ]
                 again.flush()
@@ -214,8 +250,10 @@ class RedisSide:
         n = self.work.n
         counter = itertools.count(1)  # next() is atomic under the GIL: handlers run in threads
         finished = [0.0]
+        check = OrderCheck()  # a partition's keys are its own: threads touch disjoint slots
 
         def handle(message: redisq.Message) -> None:
+            check.see(message.value)
             if next(counter) == n:
                 finished[0] = time.perf_counter()
 
@@ -225,25 +263,24 @@ class RedisSide:
         self.broker.delete_topic(topic)
         if handled != n or not finished[0]:
             raise RuntimeError(f"orderly run(): handled {handled:,} of {n:,}")
-        return n / (finished[0] - start), f"handled {handled:,}"
+        return n / (finished[0] - start), check.verdict(n)
 
     def redisq_consume_poll(self, source: str) -> tuple[float, str]:
         topic = self._take(source)
         n = self.work.n
-        read = 0
+        check = OrderCheck()
         with self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly") as c:
             start = time.perf_counter()
             deadline = time.monotonic() + 120
-            while read < n and time.monotonic() < deadline:
+            while check.count < n and time.monotonic() < deadline:
                 messages = c.poll(timeout=1.0, max_messages=1000)
+                for message in messages:
+                    check.see(message.value)
                 if messages:
                     c.ack(messages)
-                    read += len(messages)
             elapsed = time.perf_counter() - start
         self.broker.delete_topic(topic)
-        if read != n:
-            raise RuntimeError(f"orderly poll(): read {read:,} of {n:,}")
-        return n / elapsed, f"read {read:,}"
+        return n / elapsed, check.verdict(n)
 
     def close(self) -> None:
         """Delete whatever this run left in its namespace (never anything else)."""
@@ -307,10 +344,10 @@ class NatsSide:
             subjects = {key: f"{name}.{key.decode()}" for key in set(work.keys)}
             futures = []
             start = time.perf_counter()
-            for key, message_id in zip(work.keys, work.ids, strict=True):
+            for key, value, message_id in zip(work.keys, work.values, work.ids, strict=True):
                 futures.append(
                     await js.publish_async(
-                        subjects[key], PAYLOAD, headers={"Nats-Msg-Id": message_id}
+                        subjects[key], value, headers={"Nats-Msg-Id": message_id}
                     )
                 )
             await js.publish_async_completed()
@@ -321,7 +358,7 @@ class NatsSide:
             stored = (await js.stream_info(name)).state.messages
             resent = [
                 await js.publish_async(
-                    subjects[work.keys[i]], PAYLOAD, headers={"Nats-Msg-Id": work.ids[i]}
+                    subjects[work.keys[i]], work.values[i], headers={"Nats-Msg-Id": work.ids[i]}
                 )
                 for i in range(RESEND)
             ]
@@ -349,18 +386,19 @@ class NatsSide:
                 ack_policy=AckPolicy.ALL, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000
             )
             sub = await js.pull_subscribe(f"{name}.>", durable="peers", stream=name, config=config)
-            read = 0
+            check = OrderCheck()
             start = time.perf_counter()
-            while read < n:
+            while check.count < n:
                 messages = await sub.fetch(1000, timeout=10)
-                read += len(messages)
+                for message in messages:
+                    check.see(message.data)
                 await messages[-1].ack()  # AckAll: acknowledges everything up to it
             await nc.flush()
             elapsed = time.perf_counter() - start
             await js.delete_stream(name)
         finally:
             await nc.close()
-        return n / elapsed, f"read {read:,}"
+        return n / elapsed, check.verdict(n)
 
     def close(self) -> None:
         async def delete() -> None:
@@ -463,7 +501,7 @@ class RabbitSide:
             await producer.create_stream(name)
             self.streams.append(name)
             start = time.perf_counter()
-            bodies = [bytes((len(key),)) + key + PAYLOAD for key in work.keys]
+            bodies = [bytes((len(k),)) + k + v for k, v in zip(work.keys, work.values, strict=True)]
             ok, errors = await self._send(producer, name, ref, 1, bodies)
             elapsed = time.perf_counter() - start
         if errors or ok != work.n:
@@ -502,15 +540,15 @@ class RabbitSide:
 
         n = self.work.n
         done = asyncio.Event()
-        read = [0]
+        check = OrderCheck()
 
-        async def on_message(message: bytes, context: Any) -> None:
-            if read[0] == n:
-                return  # the check's marker, after the messages
-            read[0] += 1
-            if read[0] % 1000 == 0:
+        async def on_message(body: bytes, context: Any) -> None:
+            if check.count == n:
+                return  # the dedup check's marker, after the messages
+            check.see(body, at=1 + body[0])  # the body: key length, key, value
+            if check.count % 1000 == 0:
                 await context.consumer.store_offset(name, "peers", context.offset)
-            if read[0] == n:
+            if check.count == n:
                 done.set()
 
         async with Consumer(self.host, self.port, **self.credentials) as consumer:
@@ -522,7 +560,7 @@ class RabbitSide:
             await asyncio.wait_for(done.wait(), 120)
             elapsed = time.perf_counter() - start
             await consumer.delete_stream(name)
-        return n / elapsed, f"read {read[0]:,}"
+        return n / elapsed, check.verdict(n)
 
     def close(self) -> None:
         async def delete() -> None:
