@@ -18,7 +18,8 @@ then reads them back in order; each runs R times, interleaved, and the median co
     RabbitMQ Streams  rstream, a named producer with explicit publishing ids (deduplication),
                       batches of 1000, at most 10,000 unconfirmed (the Java client's default),
                       every confirm awaited; the key travels in the body (a raw message: the
-                      cheapest encoding rstream has)
+                      cheapest encoding rstream has); message 0 goes before the clock starts,
+                      since rstream sets its publisher up on the first send (~200 ms here)
   consume, in order
     raw XREADGROUP    COUNT 1000 + XACK per batch over the raw variant's 4 streams
     redisq            an orderly group through run(handler) (the 4-partition sequence topic),
