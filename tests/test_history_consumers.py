@@ -82,9 +82,11 @@ def test_consumer_sigstop_past_lease(server: ServerProcess, tmp_path: Path) -> N
     with Run(tmp_path, server.url, servers=[server]) as run:
         setup(run)
         run.producer("A", options=PRODUCER)
+        # A backlog (the producer bursts ahead of 8 ms handlers): members hold full batches, so
+        # the frozen one has messages in hand when it is continued, past its lease.
         for proc in ("c1", "c2", "c3"):
-            run.consumer(proc, options=CONSUMER, work_ms=5)
-        run.workers["A"].command("stream", count=1500, rate=500, keys=16)
+            run.consumer(proc, options=CONSUMER, work_ms=8)
+        run.workers["A"].command("stream", count=1500, rate=1500, keys=16)
         run.wait(lambda: handled_by(run, "c1") >= 50, 60, "c1 handling")
         owned = {e["partition"] for e in run.events() if e["ev"] == "handle_end"
                  and e["proc"] == "c1"}  # fmt: skip

@@ -174,17 +174,25 @@ def test_blackhole_past_delivery_timeout(
 def test_consumer_cut_off_past_lease(server: ServerProcess, tmp_path: Path) -> None:
     """Member c1 reaches the server through the proxy, c2 directly. The proxy blackholes c1 for
     twice the lease TTL, then heals and delivers what it held (late renewals, reads and acks).
-    c1 must stop handling before its lease runs out (nothing freezes it: no excuse), c2 takes
-    over, c1's late writes change nothing; every message is handled, in order per key."""
+    Handlers are slow (50 ms), batches big (60) and acks go with the next read, so c1 has more
+    work in hand than its lease lasts and nothing to ask the server: it must stop handling
+    before its lease runs out (nothing freezes it: no excuse), c2
+    takes over, c1's late writes change nothing; every message is handled, in order per key."""
     with Run(tmp_path, server.url, servers=[server]) as run:
-        setup(run, partitions=4)
+        setup(run, partitions=2)
         proxy = run.proxy(server.port)
         run.producer("A", options=PRODUCER)
-        run.consumer("c1", url=proxy.url, options={"lease_ttl_ms": LEASE_TTL_MS}, work_ms=3)
-        run.consumer("c2", options={"lease_ttl_ms": LEASE_TTL_MS}, work_ms=3)
-        run.workers["A"].command("stream", count=1500, rate=400, keys=16)
-        run.wait(lambda: run.count("handle_end", "c1") >= 50 and run.count("handle_end", "c2")
-                 >= 50, 60, "both members handling")  # fmt: skip
+        run.workers["A"].command("stream", count=400, rate=2000, keys=8)
+        run.wait_streams(["A"])
+        problems = run.close_producers(["A"])  # the backlog: every read is a full batch
+        # Acks wait for the next read (ack_interval 10 s), so nothing but the lease deadline
+        # stops c1 from handling what it holds.
+        options = {"lease_ttl_ms": LEASE_TTL_MS, "batch_size": 60, "ack_interval_ms": 10_000}
+        run.consumer("c1", url=proxy.url, options=options, work_ms=50)
+        run.consumer("c2", options=options, work_ms=50)
+        # c1 is inside its first batch of 60: 3 s of work, twice its lease.
+        run.wait(lambda: run.count("handle_end", "c1") >= 5 and run.count("handle_end", "c2")
+                 >= 5, 60, "both members handling")  # fmt: skip
         run.driver.record("blackhole", "proxy")
         proxy.blackhole()
         cut = time.time() * 1000
@@ -196,8 +204,6 @@ def test_consumer_cut_off_past_lease(server: ServerProcess, tmp_path: Path) -> N
         hold(max(0.0, 2 * LEASE_TTL_MS / 1000 - (time.time() * 1000 - cut) / 1000))
         proxy.heal()
         run.driver.record("heal", "proxy")
-        run.wait_streams(["A"])
-        problems = run.close_producers(["A"])
         stored = stored_now(run)
         run.wait_all_handled(stored)
         run.finish_workers()

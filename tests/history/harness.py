@@ -193,13 +193,15 @@ class Run:
         timeout (30 s in these scenarios): a flush that does not finish within `timeout` is a
         liveness failure the scenario reports (and the producer is then left to be stopped)."""
         problems = []
-        for proc in procs:
-            worker = self.workers[proc]
-            for op in ("stop", "flush", "close"):
-                reply = worker.command(op, timeout=timeout + 30, timeout_s=timeout)
+        going = list(procs)
+        for op in ("stop", "flush", "close"):  # each op on every producer at once
+            for proc in going:
+                self.workers[proc].start_command(op, timeout_s=timeout)
+            for proc in list(going):
+                reply = self.workers[proc].wait_reply(op, timeout + 30)
                 if "error" in reply:
                     problems.append(f"{proc} {op}: {reply['error']}: {reply.get('message')}")
-                    break
+                    going.remove(proc)
         return problems
 
     def summary(self) -> str:
