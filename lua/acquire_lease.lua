@@ -1,8 +1,10 @@
---[[ acquire_lease: grant a group's lease on one partition (SET NX PX) with a new fencing token.
+--[[ acquire_lease: grant a group's lease on one partition (SET NX PX) with a new fencing token,
+and tell the new owner where the group stands on it.
 
 KEYS[1]  the lease key                          <ns>:{<topic>:<p>}:lease:<group>
 KEYS[2]  the fencing token counter              <ns>:{<topic>:<p>}:fence:<group>
 KEYS[3]  the partition stream                   <ns>:{<topic>:<p>}:log
+KEYS[4]  the group's partition state hash       <ns>:{<topic>:<p>}:gstate:<group>
 ARGV[1]  group name
 ARGV[2]  member name
 ARGV[3]  lease_ttl_ms
@@ -10,9 +12,19 @@ ARGV[4]  the group's start id ("0" or "<created_ms>-0"), used if the Redis consu
          does not exist on this stream yet
 
 The lease value is "<token>:<member>:<granted_ms>"; the holder sends it back with every read and
-ack, and the scripts compare it whole, so a token from an earlier grant never matches.
+commit, and the scripts compare it whole, so a token from an earlier grant never matches.
 
-Returns {1, lease value} if granted, {0, current value} if another holder has it.
+An orderly group's position on the partition is its Redis consumer group's last-delivered-id
+(committed with commit_position.lua, so XINFO GROUPS shows the truth); the new owner reads on
+from there, which hands it whatever the previous owner handled but did not commit.
+
+Grants that start at the same position as the grant before count up (takeovers): the message
+after that position has been handed to that many owners that never got past it (a handler
+that crashes its process); the new owner starts its attempt count there, so the failure policy
+applies even to a message no handler survives.
+
+Returns {1, lease value, position, entries_read (-1: unknown), takeovers} if granted,
+        {0, current value} if another holder has it.
 Error replies
   TOPIC_NOT_FOUND   the partition stream does not exist
 ]]
@@ -31,4 +43,27 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local token = redis.call('INCR', KEYS[2])
 local value = token .. ':' .. ARGV[2] .. ':' .. string.format('%.0f', now_ms)
 redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[3])
-return {1, value}
+local position, entries_read = '0-0', -1
+for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
+  local fields = {}
+  for i = 1, #info, 2 do
+    fields[info[i]] = info[i + 1]
+  end
+  if fields['name'] == ARGV[1] then
+    position = fields['last-delivered-id']
+    if type(fields['entries-read']) == 'number' then
+      entries_read = fields['entries-read']
+    end
+    break
+  end
+end
+-- Counted only while a message waits after the position: an owner that had one to handle.
+local takeovers = 0
+if #redis.call('XRANGE', KEYS[3], '(' .. position, '+', 'COUNT', 1) > 0 then
+  if redis.call('HGET', KEYS[4], 'takeover_position') == position then
+    takeovers = redis.call('HINCRBY', KEYS[4], 'takeovers', 1)
+  else
+    redis.call('HSET', KEYS[4], 'takeover_position', position, 'takeovers', 0)
+  end
+end
+return {1, value, position, entries_read, takeovers}

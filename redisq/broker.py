@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from redis.cluster import RedisCluster
@@ -16,7 +16,7 @@ from redisq.keys import KeySpace, validate_topic
 from redisq.protocol import Operation, run_operation
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import Scripts, is_fake
-from redisq.settings import ProducerOptions
+from redisq.settings import ConsumerOptions, ProducerOptions
 from redisq.topic import (
     DEFAULT_PRODUCER_STATE_TTL_MS,
     TopicConfig,
@@ -232,11 +232,18 @@ class Broker:
 
         return Producer(self, name=name, **options)
 
-    def consumer(self, topic: str, group: str, name: str | None = None, **options: Any) -> Consumer:
-        """A member of consumer group `group` on `topic`; see `redisq.consumer.Consumer`."""
+    def consumer(
+        self,
+        topics: str | Sequence[str],
+        group: str,
+        name: str | None = None,
+        **options: Unpack[ConsumerOptions],
+    ) -> Consumer:
+        """A member of consumer group `group` on `topics` (a name or a list); the options are
+        `redisq.settings.ConsumerOptions` (see `redisq.consumer.Consumer`)."""
         from redisq.consumer import Consumer
 
-        return Consumer(self, topic, group, name, **options)
+        return Consumer(self, topics, group, name, **options)
 
 
 def connect(

@@ -16,6 +16,9 @@ import argparse
 import importlib.util
 import json
 import logging
+import multiprocessing
+import os
+import signal
 import threading
 import time
 import uuid
@@ -146,38 +149,55 @@ def message_id_dedup(url: str | None, namespace: str) -> tuple[int, int]:
     return same_offsets, total
 
 
-def consume_with_lost_member(
-    url: str | None, namespace: str, sent_per_key: dict[str, int], lease_ttl_ms: int = 2000
-) -> dict[str, Any]:
-    """Three orderly members in threads; member 0 is lost after a third of the messages.
+def _victim(url: str, namespace: str, lease_ttl_ms: int, events: Any) -> None:
+    """Member 0, in a process of its own so that it can be lost for real (SIGKILL): no commit,
+    no lease release, no goodbye."""
+    broker = redisq.connect(url, namespace=namespace)
+    consumer = broker.consumer(TOPIC, "demo-billing", "member-0", lease_ttl_ms=lease_ttl_ms)
 
-    The log of handler starts and ends is one list under one lock, so its order is the real
-    order: a start of (key, n) needs an end of (key, n - 1) before it."""
+    def handle(message: redisq.Message) -> None:
+        record = json.loads(message.value)
+        events.put(("S", record["key"], record["n"], "member-0", time.time(), message.partition))
+        time.sleep(0.0002)
+        events.put(("E", record["key"], record["n"], "member-0", time.time(), message.partition))
+
+    consumer.run(handle)
+
+
+def consume_with_lost_member(
+    url: str, namespace: str, sent_per_key: dict[str, int], lease_ttl_ms: int = 2000
+) -> dict[str, Any]:
+    """Three orderly members; member 0 (a process of its own) is killed after a third of the
+    messages. Handler starts and ends carry the wall clock (one machine, one clock), so sorting
+    them gives the real order: a start of (key, n) needs an end of (key, n - 1) before it."""
     broker = redisq.connect(url, namespace=namespace)
     total = sum(sent_per_key.values())
-    log: list[tuple[str, str, int, str]] = []
+    log: list[tuple[str, str, int, str, float, int]] = []
     lock = threading.Lock()
-    lost = threading.Event()
-    lost_at = [0.0]
-    takeover_at: dict[int, float] = {}
-    victim_partitions: list[int] = []
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    victim = context.Process(target=_victim, args=(url, namespace, lease_ttl_ms, events))
+    victim.start()
 
     def make_handler(member: str) -> Any:
         def handle(message: redisq.Message) -> None:
             record = json.loads(message.value)
+            at = time.time()
             with lock:
-                log.append(("S", record["key"], record["n"], member))
-                if lost.is_set() and message.partition in victim_partitions:
-                    takeover_at.setdefault(message.partition, time.monotonic())
+                log.append(("S", record["key"], record["n"], member, at, message.partition))
             time.sleep(0.0002)
             with lock:
-                log.append(("E", record["key"], record["n"], member))
+                log.append(
+                    ("E", record["key"], record["n"], member, time.time(), message.partition)
+                )
 
         return handle
 
+    # Member 0 starts alone (it takes every partition), then the others join and share them.
+    log.append(events.get(timeout=60))
     members = [
         broker.consumer(TOPIC, "demo-billing", f"member-{i}", lease_ttl_ms=lease_ttl_ms)
-        for i in range(3)
+        for i in (1, 2)
     ]
     threads = [
         threading.Thread(target=m.run, args=(make_handler(m.name),), daemon=True) for m in members
@@ -186,41 +206,61 @@ def consume_with_lost_member(
         thread.start()
     progress = Progress("  consuming", total, force=True)
     ended = 0
+    lost_at = 0.0
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        while not events.empty():
+            event = events.get()
+            with lock:
+                log.append(event)
         with lock:
-            done = {(k, n) for kind, k, n, _m in log if kind == "E"}
+            done = {(k, n) for kind, k, n, *_rest in log if kind == "E"}
         progress.update(len(done) - ended)
         ended = len(done)
-        if not lost.is_set() and ended >= total // 3:
-            victim_partitions.extend(members[0].assignment)
-            members[0]._simulate_crash()  # no ack, no lease release, no goodbye
-            lost_at[0] = time.monotonic()
-            lost.set()
+        with lock:
+            shared = any(e[3] != "member-0" for e in log)  # the others got partitions
+        if not lost_at and shared and ended >= total // 3 and victim.pid is not None:
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(10)
+            lost_at = time.time()
         if ended >= total:
             break
         time.sleep(0.1)
     progress.close()
-    for member in members[1:]:
+    if victim.is_alive() and victim.pid is not None:
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+    for member in members:
         member.close()
     for thread in threads:
         thread.join(10)
+    log.sort(key=lambda event: event[4])
     ended_set: set[tuple[str, int]] = set()
     order_violations = 0
     starts = 0
-    for kind, key, n, _member in log:
+    takeover_at: dict[int, float] = {}
+    # What member 0 held when it was killed: the partitions it handled in its last half second.
+    victim_partitions = {
+        e[5] for e in log if e[3] == "member-0" and lost_at - 0.5 <= e[4] <= lost_at
+    }
+    for kind, key, n, _member, at, partition in log:
         if kind == "S":
             starts += 1
             if n > 0 and (key, n - 1) not in ended_set:
                 order_violations += 1
+            if lost_at and at > lost_at and partition in victim_partitions:
+                takeover_at.setdefault(partition, at)
         else:
             ended_set.add((key, n))
     expected = {(k, n) for k, count in sent_per_key.items() for n in range(count)}
     broker.close()
-    delays = [at - lost_at[0] for at in takeover_at.values()]
+    delays = [at - lost_at for at in takeover_at.values()]
     return {
-        "lost member's partitions": victim_partitions,
-        "takeover after (s)": f"{max(delays):.2f}" if delays else "-",
+        "partitions / members": "4 partitions, 3 members (member-0 killed with SIGKILL)",
+        "lost member's partitions": sorted(victim_partitions),
+        f"takeover after (s; the lease ttl is {lease_ttl_ms / 1000:g} s)": (
+            f"{max(delays):.2f}" if delays else "-"
+        ),
         "messages handled at least once": f"{len(expected & ended_set):,}/{len(expected):,}",
         "handled again after the loss (at-least-once)": starts - len(ended_set & expected),
         "per-key order violations": order_violations,
@@ -287,7 +327,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "\n4. an orderly consumer group of 3 members reads the topic; one member is lost "
         "mid-way (lease ttl 2 s)"
     )
-    consumed = consume_with_lost_member(url, namespace, produced["per_key"])
+    consumed = consume_with_lost_member(resolve_url(url)[0], namespace, produced["per_key"])
     consumed_ok = consumed.pop("_ok")
     print_table(list(consumed.items()), ["check", "value"])
     print(

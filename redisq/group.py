@@ -1,18 +1,18 @@
-"""Consumer-group membership, partition assignment, partition leases, and what a group looks like.
+"""Consumer groups: a member's membership calls, and what a group looks like (describe, list,
+delete).
 
 Membership: every member heartbeats into the group's registry (a zset scored by server time); a
 member silent for session_timeout_ms is dead. Every member sorts the live members and computes
-the same assignment (RocketMQ's averaging), so no coordinator process exists.
+the same assignment (ownership.py), so no coordinator process exists.
 
 Leases: one per (group, partition), a string set NX with a PX ttl whose value carries a fencing
 token bumped on every grant. The assignment only says who *should* own a partition; the lease
-says who *does*, and Redis checks it on every read and ack of that partition.
+says who *does*, and Redis checks it on every read and commit of that partition.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,56 +20,32 @@ import redis
 
 from redisq.errors import InvalidName, TopicNotFound
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
+from redisq.ownership import assign_partitions
+from redisq.protocol import group as calls
+from redisq.protocol.group import Grant, Lease, parse_lease
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
 
 log = logging.getLogger("redisq.group")
 
-MODES = ("orderly", "concurrent")
-STARTS = ("earliest", "latest")
-
-
-def assign_partitions(partitions: int, members: Sequence[str], member: str) -> list[int]:
-    """The partitions `member` should own: contiguous ranges over the sorted live members, the
-    first `partitions % len(members)` members taking one extra (AllocateMessageQueueAveragely).
-
-    Every member computes this from the same sorted list and gets the same answer.
-    """
-    ordered = sorted(set(members))
-    if member not in ordered or partitions <= 0:
-        return []
-    index = ordered.index(member)
-    count = len(ordered)
-    base, extra = divmod(partitions, count)
-    size = base + (1 if index < extra else 0)
-    start = index * base + min(index, extra)
-    return list(range(start, start + size))
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """A granted lease: the whole value is the fencing token the scripts compare."""
-
-    partition: int
-    value: str
-
-    @property
-    def token(self) -> int:
-        return int(self.value.split(":", 1)[0])
-
-
-def parse_lease(value: bytes | str | None) -> tuple[int, str, int] | None:
-    """(token, member, granted_ms) of a lease value, or None."""
-    if value is None:
-        return None
-    text = value.decode() if isinstance(value, bytes) else value
-    token, member, granted = text.split(":", 2)
-    return int(token), member, int(granted)
+__all__ = [
+    "GroupDescription",
+    "GroupMembership",
+    "Lease",
+    "MemberInfo",
+    "PartitionLag",
+    "assign_partitions",
+    "delete_group",
+    "describe_group",
+    "list_groups",
+    "parse_lease",
+]
 
 
 class GroupMembership:
-    """Join, heartbeat, leave; and the lease operations of one member of one group."""
+    """Join, heartbeat, leave; and the lease operations of one member of one group of one topic
+    (the thread driver's calls of redisq.protocol.group)."""
 
     def __init__(
         self,
@@ -88,6 +64,7 @@ class GroupMembership:
         self.topic = validate_topic(topic)
         self.group = validate_name("group", group)
         self.member = validate_name("consumer", member)
+        self.ref = calls.GroupRef(self.topic, self.group)
         self.mode = mode
         self.start = start
         self.policy = policy
@@ -97,94 +74,48 @@ class GroupMembership:
         self._keys = broker.keys
         self._scripts = broker.scripts
 
-    # -- membership ----------------------------------------------------------------------------
     def join(self) -> bool:
-        """Register the group (first member fixes mode and start) and this member. True if the
-        group was created now."""
-        keys = self._keys
-        created, start_id, _now = self._scripts.call(
-            "join_group",
-            [
-                keys.groups(self.topic),
-                keys.group_meta(self.topic, self.group),
-                keys.group_members(self.topic, self.group),
-            ],
-            [self.group, self.mode, self.start, self.member, self.policy],
-            topic=self.topic,
-        )
-        self.start_id = start_id.decode() if isinstance(start_id, bytes) else str(start_id)
-        return bool(created)
+        """Register the group (the first member fixes mode and start) and this member. True if
+        the group was created now."""
+        created, self.start_id = self._scripts.run(
+            calls.join_group(
+                self._keys, self.ref, self.member, mode=self.mode, start=self.start,
+                policy=self.policy,
+            )
+        )  # fmt: skip
+        return created
 
     def heartbeat(self) -> list[str]:
         """Beat, and answer the sorted live members (server clock)."""
-        reply = self._scripts.call(
-            "heartbeat",
-            [self._keys.group_members(self.topic, self.group)],
-            [self.member, self.session_timeout_ms, "beat"],
-            topic=self.topic,
+        return self._scripts.run(
+            calls.heartbeat(self._keys, self.ref, self.member, self.session_timeout_ms)
         )
-        return sorted(m.decode() for m in reply[1:])
 
     def leave(self) -> None:
-        self._scripts.call(
-            "heartbeat",
-            [self._keys.group_members(self.topic, self.group)],
-            [self.member, self.session_timeout_ms, "leave"],
-            topic=self.topic,
+        self._scripts.run(
+            calls.heartbeat(self._keys, self.ref, self.member, self.session_timeout_ms, leave=True)
         )
 
-    # -- leases ----------------------------------------------------------------------------------
-    def _lease_key(self, partition: int) -> str:
-        return self._keys.lease(self.topic, partition, self.group)
-
-    def acquire_lease(self, partition: int) -> Lease | None:
-        """SET NX PX with a fresh fencing token; None while another member holds it. Also creates
-        the Redis consumer group on the stream at the group's start position if it is missing."""
-        keys = self._keys
-        granted, value = self._scripts.call(
-            "acquire_lease",
-            [
-                self._lease_key(partition),
-                keys.lease_fence(self.topic, partition, self.group),
-                keys.log(self.topic, partition),
-            ],
-            [self.group, self.member, self.lease_ttl_ms, self.start_id],
-            topic=self.topic,
-        )
-        if not granted:
-            return None
-        return Lease(partition, value.decode() if isinstance(value, bytes) else value)
-
-    def renew_lease(self, lease: Lease) -> bool:
-        """PEXPIRE while the value is still ours (extend_lease.lua); False means lost."""
-        return bool(
-            self._scripts.call(
-                "extend_lease",
-                [self._lease_key(lease.partition)],
-                [lease.value, self.lease_ttl_ms],
-                topic=self.topic,
+    def acquire_lease(self, partition: int) -> Grant | None:
+        """SET NX PX with a fresh fencing token, and the group's position on the partition; None
+        while another member holds it."""
+        return self._scripts.run(
+            calls.acquire_lease(
+                self._keys, self.ref, partition, self.member, self.lease_ttl_ms, self.start_id
             )
         )
+
+    def renew_lease(self, lease: Lease) -> bool:
+        """PEXPIRE while the value is still ours; False means lost."""
+        return self._scripts.run(calls.renew_lease(self._keys, lease, self.lease_ttl_ms))
 
     def release_lease(self, lease: Lease) -> bool:
         """DEL while the value is still ours, so the next owner need not wait for the ttl."""
-        return bool(
-            self._scripts.call(
-                "release_lease",
-                [self._lease_key(lease.partition)],
-                [lease.value],
-                topic=self.topic,
-            )
-        )
+        return self._scripts.run(calls.release_lease(self._keys, lease))
 
     def ensure_stream_group(self, partition: int) -> None:
         """Concurrent mode takes no leases: create the Redis consumer group directly."""
-        self._scripts.call(
-            "create_group",
-            [self._keys.log(self.topic, partition)],
-            [self.group, self.start_id],
-            topic=self.topic,
-        )
+        self._scripts.run(calls.ensure_stream_group(self._keys, self.ref, partition, self.start_id))
 
 
 # -- observability -------------------------------------------------------------------------------
@@ -220,6 +151,7 @@ class PartitionLag:
     blocked_error: str | None = None
     blocked_attempts: int | None = None
     malformed: int = 0
+    held: int = 0  # messages held back behind parked keys (orderly groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +241,7 @@ def describe_group(broker: Broker, topic: str, group: str) -> GroupDescription:
             for k, v in client.hgetall(keys.group_partition_state(topic, p, group)).items()
         }
         parked = int(client.hlen(keys.parked_keys(topic, p, group)))
+        held = int(client.hlen(keys.held_messages(topic, p, group)))
         last_delivered = _text(entry.get("last-delivered-id")) if entry else None
         lag = entry.get("lag") if entry else None
         if entry is not None and lag is None:
@@ -337,6 +270,7 @@ def describe_group(broker: Broker, topic: str, group: str) -> GroupDescription:
                 if "blocked_attempts" in state
                 else None,
                 malformed=int(state.get("malformed", 0)),
+                held=held,
             )
         )
     try:
@@ -380,6 +314,7 @@ def delete_group(broker: Broker, topic: str, group: str) -> None:
             keys.lease(topic, p, group),
             keys.group_partition_state(topic, p, group),
             keys.parked_keys(topic, p, group),
+            keys.held_messages(topic, p, group),
         )
     client.delete(keys.group_members(topic, group))
     client.delete(keys.group_meta(topic, group))

@@ -2,11 +2,12 @@
 
 Two kinds of keys:
 
-* Namespace keys (topic registry, topic metadata, the producer-id counter, named producers,
-  Snowflake worker leases, group registries) share the hash tag ``{<ns>}``, so the scripts that
-  touch several of them stay in one Redis Cluster slot.
-* Partition keys (the stream, producer state, message-id dedup buckets, leases) share the hash tag
-  ``{<topic>:<partition>}``, so one script call can check and append atomically in one slot.
+* Namespace keys (topic registry, topic metadata, named producers' registrations, group
+  registries) share the hash tag ``{<ns>}``, so the scripts that touch several of them stay in
+  one Redis Cluster slot.
+* Partition keys (the stream, producer state, message-id dedup buckets, leases, a group's
+  per-partition state) share the hash tag ``{<topic>:<partition>}``, so one script call can check
+  and append atomically in one slot.
 
 Lua scripts never build key names: every key they touch arrives in KEYS, built by this module.
 """
@@ -119,10 +120,6 @@ class KeySpace:
         """HASH of a topic's metadata (partitions, retention, dedup window, ...)."""
         return f"{self._global}:topic:{topic}"
 
-    def producer_id_counter(self) -> str:
-        """INCR counter that hands out producer ids (PIDs)."""
-        return f"{self._global}:pid-counter"
-
     def named_producer(self, name: str) -> str:
         """HASH {pid, epoch} of a named producer."""
         return f"{self._global}:producer:{name}"
@@ -130,14 +127,6 @@ class KeySpace:
     def named_producer_topics(self, name: str) -> str:
         """SET of the topics a named producer has written to, fenced on the next start."""
         return f"{self._global}:producer:{name}:topics"
-
-    def worker_id_counter(self) -> str:
-        """INCR counter used to pick candidate Snowflake worker ids."""
-        return f"{self._global}:worker-counter"
-
-    def worker_id_lease(self, worker_id: int) -> str:
-        """STRING lease (token, PX ttl) on one Snowflake worker id."""
-        return f"{self._global}:worker:{worker_id}"
 
     def pattern(self) -> str:
         """SCAN pattern of every key of the namespace."""
@@ -156,7 +145,8 @@ class KeySpace:
         return f"{self._partition(topic, partition)}:pid:{producer_id}"
 
     def dedup_bucket(self, topic: str, partition: int, bucket: int) -> str:
-        """HASH message id -> stream ID, for one time slice of the dedup window."""
+        """HASH message id -> stream ID: bucket 0 or 1 of the ring of time slices of the dedup
+        window (the slice number it holds is its field "")."""
         return f"{self._partition(topic, partition)}:dedup:{bucket}"
 
     def partition_pattern(self, topic: str, partition: int) -> str:
@@ -192,12 +182,11 @@ class KeySpace:
         """HASH message key -> offset of the dead-lettered message that parked it."""
         return f"{self._partition(topic, partition)}:parked:{group}"
 
+    def held_messages(self, topic: str, partition: int, group: str) -> str:
+        """HASH offset -> message key: messages held back behind a parked key (orderly groups
+        commit a position, so a held message is remembered here until its key is released)."""
+        return f"{self._partition(topic, partition)}:held:{group}"
+
     def idempotency(self, topic: str, partition: int, scope: str, ident: str) -> str:
         """STRING "processing:<token>" or "done" of one message for one idempotent handler."""
         return f"{self._partition(topic, partition)}:idem:{scope}:{ident}"
-
-    # -- spark -----------------------------------------------------------------------------
-    def spark_writer(self, name: str) -> str:
-        """HASH {pid} of one Spark writer task (job or query, Spark partition): a retried task
-        looks its PID up by name, with no epoch bump, so its re-sent batches are duplicates."""
-        return f"{self._global}:spark-writer:{name}"

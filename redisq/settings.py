@@ -1,17 +1,20 @@
-"""The options of producers (and their checks), shared by the thread and the asyncio API.
+"""The options of producers and consumers (and their checks), shared by the thread and the
+asyncio API.
 
-`ProducerOptions` types the keyword arguments of `broker.producer(...)` for type checkers and
-IDEs; `ProducerSettings.from_options` checks every one eagerly (TypeError for an unknown name
-or a wrong type, InvalidConfig with the value and the allowed range) before anything is sent.
+`ProducerOptions` / `ConsumerOptions` type the keyword arguments of `broker.producer(...)` and
+`broker.consumer(...)` for type checkers and IDEs; `*Settings.from_options` checks every one
+eagerly (TypeError for an unknown name or a wrong type, InvalidConfig with the value and the
+allowed range) before anything is sent.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
-from redisq.errors import InvalidConfig, check_number
+from redisq.errors import InvalidConfig, check_int, check_number
 from redisq.partitioner import Selector
 
 IDEMPOTENCE_MODES = ("sequence", "message_id", None)
@@ -95,3 +98,129 @@ class ProducerSettings:
             )
         if self.partitioner is not None and not callable(self.partitioner):
             raise TypeError(f"partitioner must be callable, not {type(self.partitioner).__name__}")
+
+
+MODES = ("orderly", "concurrent")
+STARTS = ("earliest", "latest")
+POLICY_NAMES = ("dead_letter", "park_key", "block")
+
+
+class ConsumerOptions(TypedDict, total=False):
+    """Keyword options of a consumer (see redisq.consumer.Consumer)."""
+
+    mode: str  # "orderly" (default: partition leases, offset order) or "concurrent"
+    start: str  # where a new group starts: "earliest" (default) or "latest"
+    pattern: str | None  # also subscribe to every topic whose name matches this regex
+    lease_ttl_ms: int  # lease time to live; renewed every lease_ttl_ms / 3
+    session_timeout_ms: int | None  # a member silent this long is dead (default: lease_ttl_ms)
+    heartbeat_interval_ms: int | None  # default min(lease_ttl_ms / 3, 3000)
+    batch_size: int  # entries per read
+    key_concurrency: int  # orderly: lanes per partition running different keys in parallel
+    max_attempts: int  # handler calls per message before the failure policy applies
+    retry_backoff_ms: int  # exponential backoff with jitter between attempts
+    max_retry_backoff_ms: int
+    failure_policy: Any  # "dead_letter", "park_key", "block", or a policies.FailurePolicy
+    claim_idle_ms: int | None  # concurrent: reclaim entries pending this long
+    block_ms: int  # how long an idle partition waits for new entries per round
+    ack_interval_ms: int  # handled messages are committed at least this often
+    metadata_max_age_ms: int  # added partitions (and pattern topics) are read within this
+    on_assign: Callable[[list[tuple[str, int]]], Any] | None  # before partitions are handled
+    on_revoke: Callable[[list[tuple[str, int]]], Any] | None  # after their last commit
+    key_deserializer: Callable[[bytes], Any] | str | None  # "json", "str" or a callable
+    value_deserializer: Callable[[bytes], Any] | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSettings:
+    mode: str = "orderly"
+    start: str = "earliest"
+    pattern: str | None = None
+    lease_ttl_ms: int = 30_000
+    session_timeout_ms: int | None = None
+    heartbeat_interval_ms: int | None = None
+    batch_size: int = 500
+    key_concurrency: int = 1
+    max_attempts: int = 5
+    retry_backoff_ms: int = 100
+    max_retry_backoff_ms: int = 30_000
+    failure_policy: Any = "dead_letter"
+    claim_idle_ms: int | None = None
+    block_ms: int = 300
+    ack_interval_ms: int = 100
+    metadata_max_age_ms: int = 5_000
+    on_assign: Callable[[list[tuple[str, int]]], Any] | None = None
+    on_revoke: Callable[[list[tuple[str, int]]], Any] | None = None
+    key_deserializer: Callable[[bytes], Any] | str | None = None
+    value_deserializer: Callable[[bytes], Any] | str | None = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> ConsumerSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown consumer option(s) {', '.join(unknown)}")
+        settings = cls(**options)
+        settings.check()
+        return settings
+
+    @property
+    def session_ms(self) -> int:
+        return self.session_timeout_ms if self.session_timeout_ms is not None else self.lease_ttl_ms
+
+    @property
+    def heartbeat_ms(self) -> int:
+        if self.heartbeat_interval_ms is not None:
+            return self.heartbeat_interval_ms
+        return min(self.lease_ttl_ms // 3, 3000)
+
+    @property
+    def claim_idle(self) -> int:
+        return self.claim_idle_ms if self.claim_idle_ms is not None else self.lease_ttl_ms
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidConfig(f"mode={self.mode!r}: expected one of {MODES}")
+        if self.start not in STARTS:
+            raise InvalidConfig(f"start={self.start!r}: expected one of {STARTS}")
+        if isinstance(self.failure_policy, str):
+            if self.failure_policy not in POLICY_NAMES:
+                raise InvalidConfig(
+                    f"failure_policy={self.failure_policy!r}: expected one of {POLICY_NAMES} "
+                    "or a redisq.policies.FailurePolicy"
+                )
+            if self.failure_policy == "park_key" and self.mode != "orderly":
+                raise InvalidConfig("failure_policy='park_key' needs mode='orderly'")
+        elif not callable(getattr(self.failure_policy, "decide", None)):
+            raise TypeError(
+                "failure_policy must be a policy name or a redisq.policies.FailurePolicy, not "
+                f"{type(self.failure_policy).__name__}"
+            )
+        check_int("lease_ttl_ms", self.lease_ttl_ms, 300, 3_600_000)
+        check_int("session_timeout_ms", self.session_ms, 300, 3_600_000)
+        check_int("heartbeat_interval_ms", self.heartbeat_ms, 50, self.session_ms // 2)
+        check_int("batch_size", self.batch_size, 1, 10_000)
+        check_int("key_concurrency", self.key_concurrency, 1, 256)
+        if self.key_concurrency > 1 and self.mode != "orderly":
+            raise InvalidConfig("key_concurrency needs mode='orderly'")
+        check_int("max_attempts", self.max_attempts, 1)
+        check_int("retry_backoff_ms", self.retry_backoff_ms, 0)
+        check_int("max_retry_backoff_ms", self.max_retry_backoff_ms, self.retry_backoff_ms)
+        check_int("claim_idle_ms", self.claim_idle, 100)
+        check_int("block_ms", self.block_ms, 10, 10_000)
+        check_int("ack_interval_ms", self.ack_interval_ms, 0)
+        check_int("metadata_max_age_ms", self.metadata_max_age_ms, 100, 3_600_000)
+        if self.pattern is not None:
+            if not isinstance(self.pattern, str):
+                raise TypeError(f"pattern must be a str, not {type(self.pattern).__name__}")
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise InvalidConfig(f"pattern={self.pattern!r}: {exc}") from None
+        for name in ("on_assign", "on_revoke"):
+            callback = getattr(self, name)
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be callable, not {type(callback).__name__}")
+        for name in ("key_deserializer", "value_deserializer"):
+            value = getattr(self, name)
+            if value is not None and value not in ("json", "str") and not callable(value):
+                raise TypeError(f"{name} must be 'json', 'str' or a callable, not {value!r}")

@@ -19,8 +19,14 @@ from redisq.deadletter import (
     release_key,
     replay_dead_letters,
 )
+from redisq.dispatch import OrderlyPartition
 from redisq.errors import ConsumerClosed, GroupModeMismatch, InvalidConfig, LeaseLost
 from redisq.group import assign_partitions, describe_group, list_groups
+from redisq.partition import PartitionIO
+from redisq.policies import Backoff, make_policy
+from redisq.protocol.group import Commit
+from redisq.settings import ConsumerSettings
+from tests.crash import poll_then_crash
 
 FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
 
@@ -30,6 +36,15 @@ def produce(broker: redisq.Broker, topic: str, keys: int, per_key: int) -> None:
         for n in range(per_key):
             for k in range(keys):
                 producer.send_async(topic, json.dumps({"k": k, "n": n}), key=f"key{k}")
+
+
+def server_url_of(broker: redisq.Broker) -> str:
+    """The url of a test broker's server (a cluster: any node)."""
+    kwargs = broker.client.get_connection_kwargs() if not broker.is_cluster else None
+    if kwargs is not None:
+        return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
+    node = broker.client.get_default_node()
+    return f"redis://{node.host}:{node.port}"
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
@@ -192,16 +207,19 @@ def test_fenced_ack_raises_lease_lost_and_changes_nothing(broker: redisq.Broker)
     broker.create_topic("orders", partitions=1)
     produce(broker, "orders", keys=1, per_key=3)
     stream = broker.keys.log("orders", 0)
-    with broker.consumer("orders", "g", **FAST) as consumer:
+    with broker.consumer("orders", "g", ack_interval_ms=60_000, **FAST) as consumer:
         messages = consumer.poll(timeout=10)
         assert len(messages) == 3
+        before = consumer.committed(0)
         # Another grant takes the lease (as if ours expired while we were paused).
         lease_key = broker.keys.lease("orders", 0, "g")
         broker.client.delete(lease_key)
         broker.client.set(lease_key, "999:intruder:0", px=60_000)
+        consumer.ack(messages)  # recorded here; Redis decides at the commit
         with pytest.raises(LeaseLost):
-            consumer.ack(messages)
-        assert broker.client.xpending(stream, "g")["pending"] == 3  # nothing was acked
+            consumer.commit()
+        assert consumer.committed(0) == before  # nothing was committed
+        assert broker.client.xpending(stream, "g")["pending"] == 0  # orderly keeps no PEL
         with pytest.raises(LeaseLost):  # and the partition stays lost for this member
             consumer.ack(messages[0])
         broker.client.delete(lease_key)
@@ -229,23 +247,22 @@ def test_lease_scripts_fence_reads_and_bump_tokens(broker: redisq.Broker) -> Non
         return m
 
     a, b = member("a"), member("b")
-    lease_a = a.acquire_lease(0)
-    assert lease_a is not None and b.acquire_lease(0) is None
+    grant_a = a.acquire_lease(0)
+    assert grant_a is not None and b.acquire_lease(0) is None
+    lease_a = grant_a.lease
     assert a.renew_lease(lease_a)
-    keys = [broker.keys.log("orders", 0), broker.keys.lease("orders", 0, "g")]
     time.sleep(0.7)  # a's lease expires
-    lease_b = b.acquire_lease(0)
-    assert lease_b is not None and lease_b.token == lease_a.token + 1
+    grant_b = b.acquire_lease(0)
+    assert grant_b is not None and grant_b.lease.token == lease_a.token + 1
     assert not a.renew_lease(lease_a) and not a.release_lease(lease_a)
-    with pytest.raises(LeaseLost):
-        broker.scripts.call("read_partition", keys, ["g", "a", lease_a.value, 10], topic="orders")
-    with pytest.raises(LeaseLost):
-        broker.scripts.call("claim_pending", keys, ["g", "a", lease_a.value, "0-0", 10, 0])
-    _acked, _tail, entries = broker.scripts.call(
-        "read_partition", keys, ["g", "b", lease_b.value, 10], topic="orders"
-    )
-    assert len(entries) == 2
-    assert b.release_lease(lease_b)
+    settings = ConsumerSettings.from_options({})
+    io = PartitionIO(broker, "g", "a", settings, make_policy("dead_letter", 5, Backoff()))
+    with pytest.raises(LeaseLost):  # a's read sees b's lease: nothing comes back
+        io.read_range(OrderlyPartition(grant_a), 10)
+    with pytest.raises(LeaseLost):  # and a's commit changes nothing
+        io.commit(lease_a, Commit(position=grant_b.position))
+    assert len(io.read_range(OrderlyPartition(grant_b), 10)) == 2
+    assert b.release_lease(grant_b.lease)
 
 
 # -- rebalancing -------------------------------------------------------------------------------
@@ -278,16 +295,16 @@ def test_join_and_leave_rebalance_without_overlap(broker: redisq.Broker) -> None
 def test_crashed_member_pending_entries_go_first(broker: redisq.Broker) -> None:
     broker.create_topic("orders", partitions=1)
     produce(broker, "orders", keys=1, per_key=6)
-    victim = broker.consumer("orders", "g", "victim", **FAST)
-    got = victim.poll(timeout=10, max_messages=3)
-    assert [json.loads(m.value)["n"] for m in got] == [0, 1, 2]
-    victim._simulate_crash()  # no ack, no release, no leave
+    url = server_url_of(broker)
+    got = poll_then_crash(url, broker.namespace, "orders", "g", "victim", 3, **FAST)
+    assert len(got) == 3  # polled, never acked; then SIGKILL: no commit, release or leave
     recorder = Recorder()
     started = time.monotonic()
     with broker.consumer("orders", "g", "heir", **FAST) as heir:
         heir.run(recorder, idle_timeout=3.0)
-    assert recorder.done[0] == [0, 1, 2, 3, 4, 5]  # the crashed member's entries first, in order
-    assert [a for _k, n, a in recorder.calls if n < 3] == [2, 2, 2]  # delivered twice
+    assert recorder.done[0] == [0, 1, 2, 3, 4, 5]  # from the committed position, in order
+    # The first message after the position was handed to an owner that never got past it.
+    assert [a for _k, n, a in recorder.calls if n < 3] == [2, 1, 1]
     assert time.monotonic() - started < 30
 
 
@@ -332,7 +349,7 @@ def test_park_key_holds_that_key_and_lets_others_go(broker: redisq.Broker) -> No
     assert recorder.done[1] == [0]  # key1 parked at #1: #2..#5 held
     description = describe_group(broker, "orders", "g")
     assert description.partitions[0].parked_keys == 1
-    assert description.partitions[0].pending == 4  # the held ones stay pending
+    assert description.partitions[0].held == 4  # recorded, so the position could move on
     recorder.fail = None
     assert release_key(broker, "orders", "g", "key1") == 1
     wait_until(lambda: recorder.done[1] == [0, 2, 3, 4, 5], what="held messages after release")
@@ -393,11 +410,11 @@ def test_idempotent_helper_skips_done_and_reruns_failed(broker: redisq.Broker) -
 def test_concurrent_members_compete_and_reclaim_idle_entries(broker: redisq.Broker) -> None:
     broker.create_topic("jobs", partitions=2)
     produce(broker, "jobs", keys=4, per_key=25)
-    victim = broker.consumer("jobs", "w", "victim", mode="concurrent", **FAST)
-    wait_until(lambda: len(victim.assignment) == 2, what="victim reads")
-    taken = victim.poll(timeout=10, max_messages=10)
-    assert taken
-    victim._simulate_crash()
+    taken = poll_then_crash(
+        server_url_of(broker), broker.namespace, "jobs", "w", "victim", 10, mode="concurrent",
+        **FAST,
+    )  # fmt: skip
+    assert len(taken) == 10  # left pending by the killed member
     recorder = Recorder()
     a = broker.consumer("jobs", "w", "a", mode="concurrent", claim_idle_ms=500, **FAST)
     b = broker.consumer("jobs", "w", "b", mode="concurrent", claim_idle_ms=500, **FAST)

@@ -23,6 +23,7 @@ import redis
 import redisq
 from redisq.errors import LeaseLost
 from redisq.group import GroupMembership, Lease, parse_lease
+from redisq.protocol.group import Grant
 from tests.servers import ServerProcess, binary_for
 
 # The fenced-read tests: leases so long that member A's coordinator renews nothing and sees no
@@ -74,13 +75,13 @@ def pending_of(broker: redisq.Broker, topic: str, group: str, member: str) -> li
 
 
 def test_member_whose_lease_moved_reads_nothing_of_that_partition(broker: redisq.Broker) -> None:
-    """A polled and acked; its lease then expired (deleted here, as a pause past the ttl would
-    leave it) and B was granted it. A's coordinator has not noticed, so A still believes it owns
-    the partition: its next poll must return nothing of it and pull nothing into its pending
-    list, its acks are refused, and B gets the new messages.
+    """A polled, acked and committed; its lease then expired (deleted here, as a pause past the
+    ttl would leave it) and B was granted it. A's coordinator has not noticed, so A still
+    believes it owns the partition: its next poll must return nothing of it, its acks are
+    refused, and B gets the new messages.
 
-    Mutant: without the lease comparison in Consumer._read_new_entries (the standalone WATCH/GET/
-    MULTI read), A's poll returns 5..9 and the test fails (valkey, redis)."""
+    Mutant: without the lease comparison of the fenced read (PartitionIO.read_range: the lease
+    value read with the entries in one MULTI/EXEC), A's poll returns 5..9 and the test fails."""
     broker.create_topic("t", partitions=1)
     send(broker, "t", range(0, 5))
     a = broker.consumer("t", "g", "z-a", **LONG_LEASE)
@@ -88,6 +89,7 @@ def test_member_whose_lease_moved_reads_nothing_of_that_partition(broker: redisq
     try:
         first = poll_and_ack(a, 5)
         assert values(first) == [0, 1, 2, 3, 4]
+        a.commit()  # acks are committed within ack_interval_ms; now, here
 
         assert broker.client.delete(broker.keys.lease("t", 0, "g")) == 1
         # B sorts first among [b, z-a]: the partition is B's; B takes the free lease at once.
@@ -98,7 +100,7 @@ def test_member_whose_lease_moved_reads_nothing_of_that_partition(broker: redisq
 
         assert a.poll(timeout=0.5) == []
         assert a.assignment == []
-        assert pending_of(broker, "t", "g", "z-a") == []
+        assert pending_of(broker, "t", "g", "z-a") == []  # an orderly group keeps no PEL
         with pytest.raises(LeaseLost):
             a.ack(first)
         assert values(poll_and_ack(b, 5)) == [5, 6, 7, 8, 9]
@@ -111,8 +113,9 @@ def test_member_whose_lease_moved_reads_nothing_of_that_partition(broker: redisq
 def test_stale_member_acks_are_refused_and_the_new_owner_redelivers(
     broker: redisq.Broker,
 ) -> None:
-    """A polled 0..4 and had not acked them when its lease went to B: A's ack is refused by
-    Redis (nothing acked), and B handles 0..4 again (second delivery), then 5..9, in order."""
+    """A polled 0..4 and had not acked them when its lease went to B: A's ack is recorded but its
+    commit is refused by Redis (nothing committed), and B handles 0..4 again (the first of them
+    counted as a second delivery), then 5..9, in order."""
     broker.create_topic("t", partitions=1)
     send(broker, "t", range(0, 5))
     a = broker.consumer("t", "g", "z-a", **LONG_LEASE)
@@ -127,13 +130,16 @@ def test_stale_member_acks_are_refused_and_the_new_owner_redelivers(
         wait_until(lambda: b is not None and b.assignment == [0], what="B holding the lease")
         send(broker, "t", range(5, 10))
 
+        position = a.committed(0)
+        a.ack(stale)  # Kafka's commitAsync: Redis decides at the commit
         with pytest.raises(LeaseLost):
-            a.ack(stale)
-        assert len(pending_of(broker, "t", "g", "z-a")) == 5  # nothing was acked
+            a.commit()
+        assert a.committed(0) == position  # nothing was committed
+        with pytest.raises(LeaseLost):
+            a.ack(stale)  # and A knows it now
         redelivered = poll_and_ack(b, 10)
         assert values(redelivered) == list(range(10))
-        assert [m.attempt for m in redelivered[:5]] == [2] * 5
-        assert broker.client.xpending(broker.keys.log("t", 0), "g")["pending"] == 0
+        assert [m.attempt for m in redelivered[:5]] == [2, 1, 1, 1, 1]
     finally:
         a.close()
         if b is not None:
@@ -158,15 +164,15 @@ class CutOff:
             monkeypatch.setattr(GroupMembership, method, self._failing(method))
         acquire = GroupMembership.acquire_lease
 
-        def acquire_lease(membership: GroupMembership, partition: int) -> Lease | None:
+        def acquire_lease(membership: GroupMembership, partition: int) -> Grant | None:
             if membership.member == self.name and self.cut.is_set():
                 raise redis.ConnectionError("cut off by the test")
-            lease = acquire(membership, partition)
-            if lease is not None:
-                self.grants.setdefault(membership.member, []).append(lease)
+            grant = acquire(membership, partition)
+            if grant is not None:
+                self.grants.setdefault(membership.member, []).append(grant.lease)
                 if membership.member == self.name:
                     self.cut.set()
-            return lease
+            return grant
 
         monkeypatch.setattr(GroupMembership, "acquire_lease", acquire_lease)
 

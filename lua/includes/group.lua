@@ -15,7 +15,7 @@ local function ensure_group(stream, group, start_id)
       last_ms, last_seq = string.match(last[1][1], '^(%d+)-(%d+)$')
     end
     local start_ms = string.match(start_id, '^(%d+)')
-    if tonumber(last_ms) < tonumber(start_ms) then
+    if tonumber(last_ms) <= tonumber(start_ms) then
       id = '$'
     end
   end

@@ -8,7 +8,7 @@ nothing. Concurrent mode holds no leases: its lease value is "" and the check is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redisq.keys import KeySpace
@@ -89,15 +89,32 @@ def heartbeat(
 
 
 # -- leases --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A granted lease, and where the group stands on the partition: its committed position
+    (the Redis consumer group's last-delivered-id) and entries read (None: unknown)."""
+
+    lease: Lease
+    position: str
+    entries_read: int | None
+    takeovers: int = 0  # earlier grants that started at this same position
+
 def acquire_lease(
     keys: KeySpace, ref: GroupRef, partition: int, member: str, lease_ttl_ms: int, start_id: str
-) -> ScriptCall[Lease | None]:
+) -> ScriptCall[Grant | None]:
     """acquire_lease.lua: SET NX PX with a fresh fencing token (None while another member holds
     it); creates the Redis consumer group on the stream at the group's start if missing."""
 
-    def decode(reply: Any) -> Lease | None:
-        granted, value = reply
-        return Lease(ref.topic, ref.group, partition, text(value)) if granted else None
+    def decode(reply: Any) -> Grant | None:
+        if not int(reply[0]):
+            return None
+        entries_read = int(reply[3])
+        return Grant(
+            Lease(ref.topic, ref.group, partition, text(reply[1])),
+            text(reply[2]),
+            entries_read if entries_read >= 0 else None,
+            int(reply[4]),
+        )
 
     return ScriptCall(
         "acquire_lease",
@@ -105,6 +122,7 @@ def acquire_lease(
             keys.lease(ref.topic, partition, ref.group),
             keys.lease_fence(ref.topic, partition, ref.group),
             keys.log(ref.topic, partition),
+            keys.group_partition_state(ref.topic, partition, ref.group),
         ),
         (ref.group, member, lease_ttl_ms, start_id),
         decode,
@@ -195,64 +213,91 @@ def claim_pending(
 
 
 @dataclass(frozen=True, slots=True)
-class ReadResult:
-    """read_partition.lua's answer: raw entries, or none and the stream's last ID to wait from."""
+class RangeRead:
+    """A fenced read's answer: the lease value seen with the entries (compare it with yours)."""
 
-    acked: int
-    tail: str
+    lease_value: str | None
     entries: list[Any]
 
 
-def _read_reply(reply: Any) -> ReadResult:
-    acked, tail, entries = reply
-    return ReadResult(int(acked), text(tail), entries)
+def fenced_range_commands(
+    keys: KeySpace, lease: Lease, after: str, count: int, end: str = "+"
+) -> list[tuple[Any, ...]]:
+    """An orderly owner's read: the lease and the next entries after its position, in one
+    MULTI/EXEC on the partition's node (one slot), so the entries come with the lease value
+    that stood when they were read. The caller drops them unless that value is its own:
+    a member that lost its lease reads nothing it could hand on. No Lua table round trip."""
+    stream = keys.log(lease.topic, lease.partition)
+    return [
+        ("MULTI",),
+        ("GET", keys.lease(lease.topic, lease.partition, lease.group)),
+        ("XRANGE", stream, "(" + after, end, "COUNT", count),
+        ("EXEC",),
+    ]
 
 
-def read_partition(
-    keys: KeySpace,
-    ref: GroupRef,
-    partition: int,
-    member: str,
-    lease_value: str,
-    count: int,
-    ack_ids: Sequence[str] = (),
-) -> ScriptCall[ReadResult]:
-    """read_partition.lua: ack what was handled and XREADGROUP the next new entries, in one
-    fenced call (LeaseLost: nothing acked, nothing read)."""
-    if len(ack_ids) > MAX_IDS_PER_CALL:
-        raise ValueError(f"at most {MAX_IDS_PER_CALL} ids per call")
+def range_read_reply(replies: Sequence[Any]) -> RangeRead:
+    """The reply to fenced_range_commands (the EXEC's: the last one)."""
+    value, entries = replies[-1]
+    return RangeRead(None if value is None else text(value), entries or [])
+
+
+@dataclass(slots=True)
+class Commit:
+    """What an orderly owner commits on a partition (commit_position.lua)."""
+
+    position: str | None = None
+    entries_read: int | None = None
+    dead_letters: int = 0
+    malformed: int = 0
+    clear_blocked: bool = False
+    parked: list[tuple[bytes, str]] = field(default_factory=list)  # (key, dead letter offset)
+    held: list[tuple[str, bytes]] = field(default_factory=list)  # (offset, key)
+    unheld: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (
+            self.position
+            or self.dead_letters
+            or self.clear_blocked
+            or self.parked
+            or self.held
+            or self.unheld
+        )
+
+
+def commit_position(keys: KeySpace, lease: Lease, commit: Commit) -> ScriptCall[Any]:
+    """commit_position.lua: the position and what changed with it, under the lease."""
+    topic, p, group = lease.topic, lease.partition, lease.group
+    args: list[Any] = [
+        group,
+        lease.value,
+        commit.position or "",
+        "" if commit.entries_read is None or not commit.position else commit.entries_read,
+        commit.dead_letters,
+        commit.malformed,
+        "1" if commit.clear_blocked else "0",
+        len(commit.parked),
+        len(commit.held),
+        len(commit.unheld),
+    ]
+    for key, offset in commit.parked:
+        args += [key, offset]
+    for offset, key in commit.held:
+        args += [offset, key]
+    args += commit.unheld
     return ScriptCall(
-        "read_partition",
-        (keys.log(ref.topic, partition), keys.lease(ref.topic, partition, ref.group)),
-        (ref.group, member, lease_value, count, *ack_ids),
-        _read_reply,
-        ref.topic,
+        "commit_position",
+        (
+            keys.log(topic, p),
+            keys.lease(topic, p, group),
+            keys.group_partition_state(topic, p, group),
+            keys.parked_keys(topic, p, group),
+            keys.held_messages(topic, p, group),
+        ),
+        args,
+        topic=topic,
     )
-
-
-def fenced_read_commands(
-    keys: KeySpace,
-    ref: GroupRef,
-    partition: int,
-    member: str,
-    count: int,
-    ack_ids: Sequence[str] = (),
-) -> tuple[str, list[tuple[Any, ...]]]:
-    """The standalone servers' fenced read as a transaction (no Lua table round trip for the
-    entries): the caller sends WATCH <lease key> and GET it, compares the value with its lease
-    (LeaseLost if it differs), then sends these commands; EXEC answers nil if the lease key was
-    written (a new grant, a release, a renewal) or expired after the WATCH, and the caller then
-    checks again. Returns (the lease key, [MULTI, XACK?, XREADGROUP, XREVRANGE, EXEC])."""
-    stream = keys.log(ref.topic, partition)
-    commands: list[tuple[Any, ...]] = [("MULTI",)]
-    if ack_ids:
-        commands.append(("XACK", stream, ref.group, *ack_ids))
-    commands.append(
-        ("XREADGROUP", "GROUP", ref.group, member, "COUNT", count, "STREAMS", stream, ">")
-    )
-    commands.append(("XREVRANGE", stream, "+", "-", "COUNT", 1))
-    commands.append(("EXEC",))
-    return keys.lease(ref.topic, partition, ref.group), commands
 
 
 def ack(

@@ -1,0 +1,66 @@
+--[[ commit_position: the lease holder of an orderly group commits what it handled on a partition.
+
+KEYS[1]  the partition stream                  <ns>:{<topic>:<p>}:log
+KEYS[2]  the lease key                         <ns>:{<topic>:<p>}:lease:<group>
+KEYS[3]  the group's partition state hash      <ns>:{<topic>:<p>}:gstate:<group>
+KEYS[4]  the group's parked keys hash          <ns>:{<topic>:<p>}:parked:<group>
+KEYS[5]  the group's held messages hash        <ns>:{<topic>:<p>}:held:<group>
+ARGV[1]  group name
+ARGV[2]  the holder's lease value
+ARGV[3]  the new position: the offset of the last message handled ("" leaves it)
+ARGV[4]  entries_read after it ("" when unknown: XINFO GROUPS then shows no lag)
+ARGV[5]  dead letters written since the last commit (a count)
+ARGV[6]  malformed entries among them
+ARGV[7]  "1" to clear the blocked message shown by describe_group
+ARGV[8]  P: keys parked since the last commit (policy park_key)
+ARGV[9]  H: messages held back behind a parked key since the last commit
+ARGV[10] U: held messages handled since the last commit (their key was released)
+ARGV[11...] P pairs (key, offset of the dead letter that parked it), H pairs (offset, key),
+         U offsets
+
+The position is the Redis consumer group's last-delivered-id (XGROUP SETID), so an orderly group
+keeps no pending-entries list: the partition's single owner reads by range from its position,
+and a new owner resumes from the committed one. Everything else the commit records (dead-letter
+counts, parked keys, held messages) changes with it, atomically and only under the lease, so a
+member that lost its lease commits nothing.
+
+Returns 1.
+Error replies
+  LEASE_LOST   the lease is gone or held by another grant: nothing changed
+]]
+-- #include includes/group.lua
+
+if not lease_holder(KEYS[2], ARGV[2]) then
+  return redis.error_reply('LEASE_LOST partition lease is held by another grant')
+end
+if ARGV[3] ~= '' then
+  if ARGV[4] ~= '' then
+    redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], ARGV[3], 'ENTRIESREAD', ARGV[4])
+  else
+    redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], ARGV[3])
+  end
+end
+if ARGV[5] ~= '0' then
+  redis.call('HINCRBY', KEYS[3], 'dead_letters', ARGV[5])
+end
+if ARGV[6] ~= '0' then
+  redis.call('HINCRBY', KEYS[3], 'malformed', ARGV[6])
+end
+if ARGV[7] == '1' then
+  redis.call('HDEL', KEYS[3], 'blocked_offset', 'blocked_error', 'blocked_attempts')
+end
+local parked, held, unheld = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local at = 11
+for _ = 1, parked do
+  redis.call('HSET', KEYS[4], ARGV[at], ARGV[at + 1])
+  at = at + 2
+end
+for _ = 1, held do
+  redis.call('HSET', KEYS[5], ARGV[at], ARGV[at + 1])
+  at = at + 2
+end
+for _ = 1, unheld do
+  redis.call('HDEL', KEYS[5], ARGV[at])
+  at = at + 1
+end
+return 1

@@ -1,0 +1,231 @@
+"""The consumer's per-partition core for orderly groups: where to read, what may be handled,
+what to commit. No I/O.
+
+An orderly partition has one owner under a lease, so it is read like a log: by range from the
+group's position, and the position is committed (commit_position.lua, under the lease) instead of
+writing every entry to a pending-entries list and deleting it again. Handled messages move a
+local position forward; it is committed every ack_interval_ms (and on hand-over and close), so
+a crash or a takeover repeats at most what was handled since the last commit: at-least-once.
+
+Keys parked by the park_key policy hold their later messages back: a held message is recorded
+(offset -> key) with the next commit, so the position can move on past it, and it is handled
+once its key is released. Dead letters, parked keys and the blocked message change with the
+position, atomically.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+
+from redisq.protocol.group import Commit, Grant, Lease
+from redisq.records import Message, offset_parts
+
+
+class OrderlyPartition:
+    """Reading and commit state of one owned partition of an orderly group."""
+
+    def __init__(self, grant: Grant) -> None:
+        self.lease: Lease = grant.lease
+        self.tp = (grant.lease.topic, grant.lease.partition)
+        self.read_from = grant.position  # the next read starts after it ...
+        self.inclusive = False  # ... or at it, after a seek
+        self.committed_at = grant.position  # the position the group holds in Redis
+        self.entries_read = grant.entries_read  # at `committed` (None: unknown)
+        self.done: str | None = None  # last handled offset not yet committed
+        self.done_count = 0
+        self.pending = Commit()
+        self.uncommitted_since: float | None = None
+        self.outstanding: deque[str] = deque()  # poll(): given to the caller, in order
+        self.acked: set[str] = set()
+        self.parked: set[bytes] = set()
+        self.held: dict[str, bytes] = {}  # offset -> key of a message held behind a parked key
+        self.blocked: str | None = None
+        self.commit_in_flight: Commit | None = None
+        # The message after the position was handed to this many owners that never got past it.
+        self.head_attempts = 1 + grant.takeovers
+
+    # -- reading ---------------------------------------------------------------------------------
+    def next_range(self) -> tuple[str, bool]:
+        """(offset, inclusive): where the next read starts."""
+        return self.read_from, self.inclusive
+
+    def seek(self, offset: str) -> None:
+        """Read from `offset` (inclusive) next; nothing given out is expected back any more."""
+        self.read_from, self.inclusive = offset, True
+        self.outstanding.clear()
+        self.acked.clear()
+
+    def reread_from(self, offset: str) -> None:
+        """Read again from `offset` (inclusive): a malformed entry the policy blocks on."""
+        self.read_from, self.inclusive = offset, True
+
+    def admit(self, messages: list[Message], now: float) -> list[Message]:
+        """Messages just read, in offset order: those of a parked key are held back (recorded
+        with the next commit); the others are to be handled, in this order."""
+        if self.blocked is not None and self.inclusive and self.read_from == self.blocked:
+            # Reading again from the entry a policy blocks on: gone (deleted or trimmed)?
+            if not messages or messages[0].offset != self.blocked:
+                self.unblocked(now)
+        if not messages:
+            return []
+        if self.head_attempts > 1 and self.read_from == self.committed_at and not self.inclusive:
+            # The first read after the grant: its first message may be one no owner survived.
+            messages[0] = replace(messages[0], attempt=self.head_attempts)
+            self.head_attempts = 1
+        self.read_from, self.inclusive = messages[-1].offset, False
+        if not self.parked:
+            return messages
+        admitted: list[Message] = []
+        for message in messages:
+            if not self.hold_if_parked(message, now):
+                admitted.append(message)
+        return admitted
+
+    def hold_if_parked(self, message: Message, now: float, *, advance: bool = True) -> bool:
+        """Hold the message back if its key is parked (a key parked while its batch was being
+        handled holds the rest of the batch's messages of that key too)."""
+        if message.key is None or message.key not in self.parked or message.offset in self.held:
+            return False
+        self.held[message.offset] = message.key
+        self.pending.held.append((message.offset, message.key))
+        if advance:
+            self._advance(message.offset, now)
+        else:
+            self._touch(now)
+        return True
+
+    def released(self, parked_now: Iterable[bytes]) -> list[str]:
+        """The parked keys now: offsets (in order) of held messages whose key was released."""
+        # Keys parked here but not committed yet are not in Redis's view: they stay parked.
+        recent = {key for key, _ in self.pending.parked}
+        if self.commit_in_flight is not None:
+            recent.update(key for key, _ in self.commit_in_flight.parked)
+        self.parked = set(parked_now) | recent
+        free = [offset for offset, key in self.held.items() if key not in self.parked]
+        return sorted(free, key=offset_parts)
+
+    # -- handling --------------------------------------------------------------------------------
+    def handled(self, message: Message, now: float) -> None:
+        """One message handled (in offset order): the position may move past it."""
+        if message.offset in self.held:
+            del self.held[message.offset]
+            self.pending.unheld.append(message.offset)
+            self._touch(now)
+            return
+        self._advance(message.offset, now)
+
+    def handled_through(self, offset: str, count: int, now: float) -> None:
+        """A batch handled in lanes (any order inside it): the position moves to its end."""
+        self.done_count += count - 1
+        self._advance(offset, now)
+
+    def given(self, messages: list[Message]) -> None:
+        """poll() handed these to the caller (orderly: nothing more until they are acked)."""
+        self.outstanding.extend(m.offset for m in messages)
+
+    def ack(self, offsets: Iterable[str], now: float) -> None:
+        """The caller acked these: the position moves over the acked prefix of what it got."""
+        self.acked.update(offsets)
+        while self.outstanding and self.outstanding[0] in self.acked:
+            offset = self.outstanding.popleft()
+            self.acked.discard(offset)
+            if offset in self.held:
+                del self.held[offset]
+                self.pending.unheld.append(offset)
+                self._touch(now)
+            else:
+                self._advance(offset, now)
+
+    def dead_lettered(self, message: Message, *, park: bool, malformed: bool, now: float) -> None:
+        """Copied to the dead-letter topic: counted, its key parked if asked, passed over."""
+        self.pending.dead_letters += 1
+        if malformed:
+            self.pending.malformed += 1
+        if park and message.key:
+            self.parked.add(message.key)
+            self.pending.parked.append((message.key, message.offset))
+        if self.blocked is not None:
+            self.blocked = None
+            self.pending.clear_blocked = True
+        self.handled(message, now)
+
+    def unblocked(self, now: float) -> None:
+        if self.blocked is not None:
+            self.blocked = None
+            self.pending.clear_blocked = True
+            self._touch(now)
+
+    def _advance(self, offset: str, now: float) -> None:
+        self.done = offset
+        self.done_count += 1
+        self._touch(now)
+
+    def _touch(self, now: float) -> None:
+        if self.uncommitted_since is None:
+            self.uncommitted_since = now
+
+    # -- committing ------------------------------------------------------------------------------
+    def commit_due(self, now: float, interval_s: float) -> bool:
+        return self.uncommitted_since is not None and now - self.uncommitted_since >= interval_s
+
+    def take_commit(self) -> Commit | None:
+        """What to commit now (None: nothing); `committed()` or `commit_failed()` follows."""
+        if self.uncommitted_since is None and self.done is None:
+            return None
+        commit = self.pending
+        if self.done is not None:
+            commit.position = self.done
+            if self.entries_read is not None:
+                commit.entries_read = self.entries_read + self.done_count
+        if commit.empty():
+            self.uncommitted_since = None
+            return None
+        self.pending = Commit()
+        self.done, self.done_count = None, 0
+        self.uncommitted_since = None
+        self.commit_in_flight = commit
+        return commit
+
+    def committed(self, commit: Commit) -> None:
+        if commit.position:
+            self.committed_position(commit.position, commit.entries_read)
+        self.commit_in_flight = None
+
+    def committed_position(self, position: str, entries_read: int | None) -> None:
+        self.committed_at = position
+        self.entries_read = entries_read
+
+    def commit_failed(self, commit: Commit, now: float) -> None:
+        """The commit's answer was lost (it may have run): send it again with what came since
+        (a position is idempotent; a count sent twice counts twice in describe_group)."""
+        self.commit_in_flight = None
+        later = self.pending
+        commit.dead_letters += later.dead_letters
+        commit.malformed += later.malformed
+        commit.clear_blocked = commit.clear_blocked or later.clear_blocked
+        commit.parked += later.parked
+        commit.held += later.held
+        commit.unheld += later.unheld
+        if self.done is not None:
+            commit.position = self.done
+            commit.entries_read = (
+                None if commit.entries_read is None else commit.entries_read + self.done_count
+            )
+        self.pending = commit
+        self.done, self.done_count = commit.position, 0
+        if commit.position is not None and commit.entries_read is not None:
+            self.entries_read = commit.entries_read
+        self.uncommitted_since = now
+
+
+def lanes(messages: list[Message], count: int) -> list[list[Message]]:
+    """key_concurrency: a key always maps to the same lane, so each key stays in order while
+    different keys run in parallel; keyless messages spread out."""
+    result: list[list[Message]] = [[] for _ in range(count)]
+    for i, message in enumerate(messages):
+        lane = zlib.crc32(message.key) if message.key is not None else i
+        result[lane % count].append(message)
+    return [lane for lane in result if lane]

@@ -1,0 +1,203 @@
+"""The consumer's ownership core: membership, assignment and partition leases. No I/O.
+
+Every member heartbeats into its group's registry (per topic), and every member computes the
+same assignment from the sorted list of live members (RocketMQ's averaging): no coordinator
+process. The assignment says who *should* own a partition; the lease says who *does*, and Redis
+checks it on every read and commit. A driver asks `due(now)` what to do (heartbeat, read the
+metadata again, acquire, renew, hand over) and reports back what happened; `may_handle` says
+whether a message of a partition may be handled now: a member whose renewals fail stops
+handling before its lease runs out.
+
+Concurrent mode holds no leases: every member reads every partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from redisq.protocol.group import Grant, Lease
+
+TopicPartition = tuple[str, int]
+
+
+def assign_partitions(partitions: int, members: Sequence[str], member: str) -> list[int]:
+    """The partitions `member` should own: contiguous ranges over the sorted live members, the
+    first `partitions % len(members)` members taking one extra (AllocateMessageQueueAveragely).
+
+    Every member computes this from the same sorted list and gets the same answer.
+    """
+    ordered = sorted(set(members))
+    if member not in ordered or partitions <= 0:
+        return []
+    index = ordered.index(member)
+    count = len(ordered)
+    base, extra = divmod(partitions, count)
+    size = base + (1 if index < extra else 0)
+    start = index * base + min(index, extra)
+    return list(range(start, start + size))
+
+
+@dataclass
+class Owned:
+    """One partition this member holds (orderly: under a lease) or reads (concurrent)."""
+
+    tp: TopicPartition
+    lease: Lease | None
+    deadline: float  # monotonic: when the lease runs out unless renewed
+    renew_due: float = 0.0
+    revoked: bool = False  # assigned elsewhere: finish the current message, commit, hand over
+    revoked_at: float = 0.0
+    lost: bool = False  # the lease is gone (expired or granted to another member)
+    finishing: bool = False  # the driver is handing it over (commit, release) right now
+    finished: bool = False  # handed over (or given up): the driver forgets it
+    paused: bool = False  # pause(): the lease is kept, nothing is read
+
+    @property
+    def lease_value(self) -> str:
+        return self.lease.value if self.lease else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """What the driver should do now."""
+
+    heartbeat: bool = False
+    refresh_metadata: bool = False
+    acquire: list[TopicPartition] = field(default_factory=list)
+    renew: list[TopicPartition] = field(default_factory=list)
+    hand_over: list[TopicPartition] = field(default_factory=list)  # revoked or closing
+
+
+class OwnershipCore:
+    """See the module docstring. The thread driver calls it under its lock."""
+
+    def __init__(
+        self,
+        member: str,
+        *,
+        orderly: bool,
+        lease_ttl_ms: int,
+        heartbeat_ms: int,
+        metadata_max_age_ms: int,
+    ) -> None:
+        self.member = member
+        self.orderly = orderly
+        self.lease_ttl_s = lease_ttl_ms / 1000
+        self.renew_s = lease_ttl_ms / 3000
+        # Stop handling a partition this long before its lease deadline (when renewals fail).
+        self.margin_s = lease_ttl_ms / 10000
+        self.heartbeat_s = heartbeat_ms / 1000
+        self.metadata_s = metadata_max_age_ms / 1000
+        self.members: dict[str, list[str]] = {}
+        self.partitions: dict[str, int] = {}
+        self.owned: dict[TopicPartition, Owned] = {}
+        self.stopping = False
+        self.rebalances = 0
+        self._next_heartbeat = 0.0
+        self._next_metadata = 0.0
+
+    # -- what should happen ----------------------------------------------------------------------
+    def target(self) -> set[TopicPartition]:
+        """The partitions this member should hold now."""
+        if self.stopping:
+            return set()
+        wanted: set[TopicPartition] = set()
+        for topic, count in self.partitions.items():
+            if self.orderly:
+                members = self.members.get(topic, [])
+                wanted.update((topic, p) for p in assign_partitions(count, members, self.member))
+            else:
+                wanted.update((topic, p) for p in range(count))
+        return wanted
+
+    def due(self, now: float) -> Due:
+        heartbeat = not self.stopping and now >= self._next_heartbeat
+        if heartbeat:
+            self._next_heartbeat = now + self.heartbeat_s
+        refresh = not self.stopping and now >= self._next_metadata
+        if refresh:
+            self._next_metadata = now + self.metadata_s
+        target = self.target()
+        hand_over: list[TopicPartition] = []
+        renew: list[TopicPartition] = []
+        for tp, owned in self.owned.items():
+            if owned.finished or owned.finishing or owned.lost:
+                continue
+            if tp not in target and not owned.revoked:
+                owned.revoked = True
+                owned.revoked_at = now
+            if owned.revoked:
+                hand_over.append(tp)
+            if owned.lease is not None and now >= owned.renew_due:
+                renew.append(tp)
+        acquire = sorted(tp for tp in target if tp not in self.owned)
+        return Due(heartbeat, refresh, acquire, renew, hand_over)
+
+    def may_handle(self, tp: TopicPartition, now: float) -> bool:
+        owned = self.owned.get(tp)
+        if owned is None or owned.revoked or owned.lost or owned.finished or self.stopping:
+            return False
+        return owned.lease is None or now < owned.deadline - self.margin_s
+
+    def handling_limit(self, tp: TopicPartition) -> float:
+        """The monotonic time after which nothing of this partition may start."""
+        owned = self.owned.get(tp)
+        if owned is None or owned.lease is None:
+            return float("inf")
+        return owned.deadline - self.margin_s
+
+    # -- what happened ---------------------------------------------------------------------------
+    def members_seen(self, topic: str, members: list[str]) -> bool:
+        """True if the live members changed (a rebalance)."""
+        changed = self.members.get(topic) != members
+        if changed and topic in self.members:
+            self.rebalances += 1
+        self.members[topic] = members
+        return changed
+
+    def partitions_seen(self, topic: str, partitions: int | None) -> None:
+        """The topic's partition count (None: the topic is gone or no longer subscribed)."""
+        if partitions is None:
+            self.partitions.pop(topic, None)
+            self.members.pop(topic, None)
+        else:
+            self.partitions[topic] = partitions
+
+    def granted(self, tp: TopicPartition, grant: Grant | None, sent_at: float) -> Owned:
+        """A lease granted (orderly; its deadline counts from when the request was sent), or
+        a concurrent partition taken up (grant None)."""
+        lease = grant.lease if grant else None
+        owned = Owned(tp, lease, sent_at + self.lease_ttl_s if lease else float("inf"))
+        owned.renew_due = sent_at + self.renew_s
+        self.owned[tp] = owned
+        return owned
+
+    def renewed(self, tp: TopicPartition, sent_at: float) -> None:
+        owned = self.owned.get(tp)
+        if owned is not None:
+            owned.deadline = sent_at + self.lease_ttl_s
+            owned.renew_due = sent_at + self.renew_s
+
+    def renew_failed(self, tp: TopicPartition, now: float) -> None:
+        """No answer: keep the deadline (the partition stops by itself if none lands in time)."""
+        owned = self.owned.get(tp)
+        if owned is not None:
+            owned.renew_due = now + min(0.1, self.renew_s / 3)
+
+    def lost(self, tp: TopicPartition) -> bool:
+        """The lease is gone; True if this is news."""
+        owned = self.owned.get(tp)
+        if owned is None or owned.lost:
+            return False
+        owned.lost = True
+        return True
+
+    def finished(self, tp: TopicPartition) -> None:
+        owned = self.owned.pop(tp, None)
+        if owned is not None:
+            owned.finished = True
+
+    def held(self) -> list[TopicPartition]:
+        """The partitions held now and not being handed over."""
+        return sorted(tp for tp, o in self.owned.items() if not (o.lost or o.revoked or o.finished))

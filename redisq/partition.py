@@ -1,0 +1,669 @@
+"""Reading and handling one partition (thread driver): the Redis calls of a consumer's
+partitions (`PartitionIO`) and the worker thread that runs a handler over one of them (`Worker`).
+
+One method, one Redis idea: a fenced range read (MULTI GET lease / XRANGE / EXEC on the
+partition's node), XREAD BLOCK to wait for new entries, the commit (commit_position.lua), the
+group's Redis consumer group for concurrent mode (XREADGROUP, XACK, XAUTOCLAIM), and the
+dead-letter copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from redisq.deadletter import DeadLetterWriter
+from redisq.dispatch import OrderlyPartition, lanes
+from redisq.errors import InvalidConfig, InvalidName, LeaseLost
+from redisq.ownership import TopicPartition
+from redisq.policies import Block, DeadLetter, FailurePolicy, Retry
+from redisq.protocol import group as calls
+from redisq.protocol.group import Commit, Lease
+from redisq.records import MalformedMessage, Message, decode_entries
+from redisq.settings import ConsumerSettings
+
+if TYPE_CHECKING:
+    from redisq.broker import Broker
+    from redisq.consumer import Consumer, ConsumerStats
+
+log = logging.getLogger("redisq.consumer")
+
+MALFORMED_LOG_INTERVAL_S = 10.0
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}|\d{1,20}")
+_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+def deserializer(spec: Callable[[bytes], Any] | str | None) -> Callable[[bytes], Any] | None:
+    """A key/value deserializer from its option: "json", "str", a callable, or None."""
+    if spec == "json":
+        return json.loads
+    if spec == "str":
+        return lambda raw: raw.decode()
+    return spec if callable(spec) else None
+
+
+class _Stop(Exception):
+    """The partition must stop being handled (revoked, lease lost or near its deadline, close)."""
+
+
+class PartitionIO:
+    """The Redis calls of one consumer's partitions."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        group: str,
+        member: str,
+        settings: ConsumerSettings,
+        policy: FailurePolicy,
+    ) -> None:
+        self.broker = broker
+        self.group = group
+        self.member = member
+        self.settings = settings
+        self.policy = policy
+        self._keys = broker.keys
+        self._scripts = broker.scripts
+        self._client = broker.client
+        self._cluster = isinstance(broker.client, RedisCluster)
+        self._writers: dict[str, DeadLetterWriter] = {}
+        self._writers_lock = threading.Lock()
+        self._last_claim: dict[TopicPartition, float] = {}
+        self._malformed_logged: dict[TopicPartition, float] = {}
+        self._malformed_unreported: dict[TopicPartition, int] = {}
+
+    # -- a pooled connection on the partition's node ---------------------------------------------
+    def _exchange(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send commands in one write on a pooled connection of the node serving `key` and read
+        their raw replies (no response callbacks: entries stay flat lists for decode_entries)."""
+        if self._cluster:
+            pool = self._client.get_redis_connection(
+                self._client.get_node_from_key(key)
+            ).connection_pool
+        else:
+            pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            conn.disconnect()  # replies may be left unread
+            pool.release(conn)
+            raise
+        pool.release(conn)
+        return replies
+
+    # -- orderly: reading by range, committing ---------------------------------------------------
+    def read_range(self, reader: OrderlyPartition, count: int) -> list[Message]:
+        """The next entries after the reader's position, with the lease value that stood when
+        they were read: LeaseLost (nothing returned) unless it is the reader's."""
+        lease = reader.lease
+        start, inclusive = reader.next_range()
+        commands = calls.fenced_range_commands(self._keys, lease, start, count)
+        if inclusive:
+            commands[2] = (*commands[2][:2], start, *commands[2][3:])
+        replies = self._exchange(commands[1][1], commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        result = calls.range_read_reply(replies)
+        if result.lease_value != lease.value:
+            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
+        return decode_entries(lease.topic, lease.partition, result.entries)
+
+    def commit(self, lease: Lease, commit: Commit) -> None:
+        self._scripts.run(calls.commit_position(self._keys, lease, commit))
+
+    def wait_for_entries(self, tp: TopicPartition, after: str, block_ms: int) -> None:
+        """XREAD BLOCK from `after`: returns when something is appended (the next fenced read
+        takes it), or after block_ms."""
+        self._client.xread(
+            {self._keys.log(*tp): after or "$"}, count=1, block=max(10, int(block_ms))
+        )
+
+    def load_parked(self, reader: OrderlyPartition) -> None:
+        """The parked keys and the messages held behind them (policy park_key)."""
+        if self.policy.name != "park_key" and not reader.held:
+            return
+        topic, p = reader.tp
+        reader.parked = set(self._client.hkeys(self._keys.parked_keys(topic, p, self.group)))
+        held = self._client.hgetall(self._keys.held_messages(topic, p, self.group))
+        reader.held = {k.decode(): v for k, v in held.items()}
+
+    def parked_now(self, tp: TopicPartition) -> set[bytes]:
+        return set(self._client.hkeys(self._keys.parked_keys(tp[0], tp[1], self.group)))
+
+    def fetch_offsets(self, tp: TopicPartition, offsets: list[str]) -> list[Message]:
+        """Held messages by offset (one pipelined XRANGE each); a trimmed one is gone."""
+        key = self._keys.log(*tp)
+        replies = self._exchange(key, [("XRANGE", key, o, o) for o in offsets])
+        entries = [
+            entry for reply in replies if not isinstance(reply, Exception) for entry in reply
+        ]
+        return decode_entries(tp[0], tp[1], entries)
+
+    def committed(self, tp: TopicPartition) -> str | None:
+        for info in self._client.xinfo_groups(self._keys.log(*tp)):
+            name = info.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) == self.group:
+                last = info.get("last-delivered-id")
+                return last.decode() if isinstance(last, bytes) else last
+        return None
+
+    @staticmethod
+    def check_offset(offset: object) -> str:
+        if not isinstance(offset, str) or not _STREAM_ID.fullmatch(offset):
+            raise InvalidConfig(f"offset {offset!r}: expected a stream ID such as 1700000000000-0")
+        return offset if "-" in offset else f"{offset}-0"
+
+    # -- concurrent: the Redis consumer group ----------------------------------------------------
+    def read_group(
+        self, tp: TopicPartition, count: int, ack_ids: list[str], block_ms: int | None
+    ) -> list[Message]:
+        """XACK what was handled and XREADGROUP ">" in one write (BLOCK when waiting)."""
+        stream = self._keys.log(*tp)
+        read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
+        if block_ms is not None:
+            read += ("BLOCK", block_ms)
+        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, ">")]
+        if ack_ids:
+            commands.insert(0, ("XACK", stream, self.group, *ack_ids))
+        replies = self._exchange(stream, commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return decode_entries(tp[0], tp[1], _stream_entries(replies[-1]))
+
+    def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
+        """XAUTOCLAIM entries pending longer than claim_idle_ms (a dead member's), now and
+        then (every claim_idle_ms / 2)."""
+        now = time.monotonic()
+        idle_ms = self.settings.claim_idle
+        if now - self._last_claim.get(tp, 0.0) < idle_ms / 2000:
+            return []
+        self._last_claim[tp] = now
+        claimed = self._scripts.run(
+            calls.claim_pending(
+                self._keys, calls.GroupRef(tp[0], self.group), tp[1], self.member, "", "0-0",
+                count, idle_ms,
+            )
+        )  # fmt: skip
+        return decode_entries(tp[0], tp[1], claimed.entries, claimed.deliveries)
+
+    def ack_group(self, tp: TopicPartition, ids: list[str]) -> int:
+        if not ids:
+            return 0
+        return int(self._client.xack(self._keys.log(*tp), self.group, *ids))
+
+    # -- failures --------------------------------------------------------------------------------
+    def dead_letter(
+        self,
+        reader: OrderlyPartition | None,
+        message: Message,
+        error: BaseException | str,
+        attempts: int,
+        *,
+        park: bool,
+    ) -> None:
+        """The copy to the dead-letter topic (idempotent: its message id is the source's
+        coordinates); concurrent mode then acks it with dead_letter.lua. Orderly mode passes
+        over it with the next commit (the caller updates the reader)."""
+        self._writer(message.topic).write(message, error, attempts)
+        if reader is None:
+            self._scripts.run(
+                calls.dead_letter(
+                    self._keys,
+                    calls.GroupRef(message.topic, self.group),
+                    message.partition,
+                    "",
+                    message.offset,
+                )
+            )
+        if isinstance(message, MalformedMessage):
+            self.note_malformed(message, f"dead-lettered to {self._writer(message.topic).topic}")
+
+    def _writer(self, topic: str) -> DeadLetterWriter:
+        with self._writers_lock:
+            writer = self._writers.get(topic)
+            if writer is None:
+                writer = self._writers[topic] = DeadLetterWriter(self.broker, topic, self.group)
+            return writer
+
+    def mark_blocked(
+        self, tp: TopicPartition, message: Message, error: BaseException, attempts: int
+    ) -> None:
+        """Policy block: the partition waits on this message; describe_group and lag show it."""
+        try:
+            self._client.hset(
+                self._keys.group_partition_state(tp[0], tp[1], self.group),
+                mapping={
+                    "blocked_offset": message.offset,
+                    "blocked_error": f"{type(error).__name__}: {error}"[:500],
+                    "blocked_attempts": attempts,
+                },
+            )
+        except redis.RedisError as exc:
+            log.warning("%s: could not record the blocked message: %s", self.member, exc)
+
+    def note_malformed(self, message: Message, what: str) -> None:
+        """Logged at most once per partition per MALFORMED_LOG_INTERVAL_S, with how many came
+        since the last line (the rest are reported at close)."""
+        tp = (message.topic, message.partition)
+        now = time.monotonic()
+        unreported = self._malformed_unreported.get(tp, 0)
+        if now - self._malformed_logged.get(tp, -1e9) < MALFORMED_LOG_INTERVAL_S:
+            self._malformed_unreported[tp] = unreported + 1
+            return
+        self._malformed_logged[tp] = now
+        self._malformed_unreported[tp] = 0
+        reason = getattr(message, "reason", "")
+        more = f"; {unreported} more malformed entries since the last report" if unreported else ""
+        log.error(
+            "%s: %s/%d: 1 malformed entry %s (at %s: %s)%s",
+            self.member, tp[0], tp[1], what, message.offset, reason, more,
+        )  # fmt: skip
+
+    def screen(
+        self,
+        reader: OrderlyPartition | None,
+        messages: list[Message],
+        stats: ConsumerStats,
+        lock: Any,
+    ) -> list[Message]:
+        """poll(): malformed entries go to the failure policy, never to the caller; a block stops
+        the batch there (orderly: read again from it after a backoff). Orderly, the batch is
+        given to the caller in order, the dead-lettered ones acked at once (the position passes
+        them only with the messages before them)."""
+        good: list[Message] = []
+        given: list[Message] = []
+        passed: list[str] = []
+        for message in messages:
+            if message.__class__ is not MalformedMessage:
+                good.append(message)
+                given.append(message)
+                continue
+            action = self.policy.malformed()
+            if not (reader is not None and reader.blocked == message.offset):
+                stats.malformed += 1
+            if isinstance(action, DeadLetter):
+                stats.dead_letters += 1
+                self.dead_letter(reader, message, message.error(), 0, park=False)  # type: ignore[attr-defined]
+                given.append(message)
+                passed.append(message.offset)
+                continue
+            if reader is not None:
+                if reader.blocked != message.offset:
+                    self.note_malformed(message, "blocking (policy block)")
+                    self.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
+                with lock:
+                    reader.blocked = message.offset
+                    reader.reread_from(message.offset)
+            else:
+                self.note_malformed(message, "left pending (policy block)")
+            break
+        if reader is not None:
+            with lock:
+                reader.given(given)
+                reader.pending.dead_letters += len(passed)
+                reader.pending.malformed += len(passed)
+                reader.ack(passed, time.monotonic())
+        return good
+
+    def fetch(
+        self, tp: TopicPartition, reader: OrderlyPartition | None, count: int
+    ) -> list[Message]:
+        """poll(): the next messages of a partition (orderly: held keys' messages held back)."""
+        if reader is not None:
+            messages = self.read_range(reader, count)
+            return reader.admit(messages, time.monotonic())
+        claimed = self.claim_idle(tp, count)
+        return claimed or self.read_group(tp, count, [], None)
+
+    @staticmethod
+    def deserialize(
+        message: Message,
+        key_decoder: Callable[[bytes], Any] | None,
+        value_decoder: Callable[[bytes], Any] | None,
+    ) -> Message:
+        changes: dict[str, Any] = {}
+        if key_decoder is not None and message.key is not None:
+            changes["key"] = key_decoder(message.key)
+        if value_decoder is not None:
+            changes["value"] = value_decoder(message.value)
+        return replace(message, **changes) if changes else message
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        for (topic, partition), count in self._malformed_unreported.items():
+            if count:
+                log.error(
+                    "%s: %s/%d: %d more malformed entries since the last report",
+                    self.member, topic, partition, count,
+                )  # fmt: skip
+
+
+def _stream_entries(reply: Any) -> list[Any]:
+    """The entries of a raw XREADGROUP reply for one stream (RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values())) or []
+    return reply[0][1] or []
+
+
+class Worker(threading.Thread):
+    """run(): one partition's handler loop, one message at a time in offset order (or in
+    key_concurrency lanes), stopping when the partition is revoked, its lease is lost or near
+    its deadline, or the consumer closes."""
+
+    def __init__(self, consumer: Consumer, tp: TopicPartition, reader: OrderlyPartition | None):
+        super().__init__(name=f"redisq-{tp[0]}-{tp[1]}", daemon=True)
+        self.consumer = consumer
+        self.tp = tp
+        self.reader = reader
+        self.io = consumer.io
+        self.policy = consumer.policy
+        self.settings = consumer.settings
+        self._lanes: ThreadPoolExecutor | None = None
+        self._pending_acks: list[str] = []
+        self._ack_since = 0.0
+
+    def run(self) -> None:
+        try:
+            if self.reader is not None:
+                self._orderly(self.reader)
+            else:
+                self._concurrent()
+        except _Stop:
+            pass
+        except LeaseLost:
+            log.warning("%s: %s/%d: lease lost; stopping", self.consumer.name, *self.tp)
+            with self.consumer._lock:
+                if self.consumer.ownership.lost(self.tp):
+                    self.consumer.stats.leases_lost += 1
+        except Exception:
+            log.exception("%s: %s/%d worker failed", self.consumer.name, *self.tp)
+        finally:
+            if self._lanes is not None:
+                self._lanes.shutdown(wait=True)
+            if self.reader is None:
+                self._flush_group_acks()
+            self.consumer.worker_done(self.tp)
+
+    # -- ownership -------------------------------------------------------------------------------
+    def _may_handle(self) -> bool:
+        consumer = self.consumer
+        with consumer._lock:
+            if self.reader is None:
+                return not consumer._stopping.is_set() and self.tp in consumer.ownership.owned
+            return consumer.ownership.may_handle(self.tp, time.monotonic())
+
+    def _check(self) -> None:
+        if not self._may_handle():
+            raise _Stop
+
+    def _paused(self) -> bool:
+        with self.consumer._lock:
+            owned = self.consumer.ownership.owned.get(self.tp)
+            return owned is not None and owned.paused
+
+    def _sleep_while_owned(self, delay: float) -> None:
+        end = time.monotonic() + delay
+        while True:
+            self._check()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+    # -- orderly ---------------------------------------------------------------------------------
+    def _orderly(self, reader: OrderlyPartition) -> None:
+        consumer = self.consumer
+        batch = self.settings.batch_size
+        interval = consumer._ack_interval_s
+        next_parked_check = 0.0
+        while self._may_handle():
+            if self._paused():
+                self._commit_if_due(reader, interval)
+                time.sleep(0.05)
+                continue
+            now = time.monotonic()
+            if reader.held and now >= next_parked_check:
+                next_parked_check = now + 1.0
+                parked_now = self.io.parked_now(self.tp)
+                with consumer._lock:
+                    free = reader.released(parked_now)
+                if free:
+                    for message in self.io.fetch_offsets(self.tp, free):
+                        self._handle_one(reader, message, lane=False)
+                    continue
+            try:
+                read = self.io.read_range(reader, batch)
+            except _NETWORK_ERRORS as exc:
+                log.warning("%s: %s/%d: %s; reading again", consumer.name, *self.tp, exc)
+                time.sleep(0.2)
+                continue
+            with consumer._lock:
+                messages = reader.admit(read, time.monotonic())
+            if messages:
+                try:
+                    self._handle_batch(reader, messages)
+                except _Retry:
+                    continue
+            elif not read:
+                self._commit_if_due(reader, 0.0)
+                self._wait(reader)
+            self._commit_if_due(reader, interval)
+
+    def _wait(self, reader: OrderlyPartition) -> None:
+        limit = self.consumer.ownership.handling_limit(self.tp)
+        block_ms = min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
+        if block_ms <= 0:
+            return
+        try:
+            self.io.wait_for_entries(self.tp, reader.read_from, block_ms)
+        except _NETWORK_ERRORS:
+            time.sleep(0.2)
+
+    def _commit_if_due(self, reader: OrderlyPartition, interval: float) -> None:
+        if reader.commit_due(time.monotonic(), interval):
+            try:
+                self.consumer._commit(self.tp)
+            except _NETWORK_ERRORS as exc:
+                log.warning("%s: %s/%d: commit failed (%s); again later", self.consumer.name,
+                            *self.tp, exc)  # fmt: skip
+
+    def _handle_batch(self, reader: OrderlyPartition, messages: list[Message]) -> None:
+        if self.settings.key_concurrency > 1 and len(messages) > 1:
+            self._handle_in_lanes(reader, messages)
+            return
+        for message in messages:
+            self._handle_one(reader, message, lane=False)
+
+    def _handle_in_lanes(self, reader: OrderlyPartition, messages: list[Message]) -> None:
+        """Each lane takes its keys in order; the position moves once the whole batch is
+        handled (a lane that stops leaves it where it was: handled again, at-least-once)."""
+        if self._lanes is None:
+            self._lanes = ThreadPoolExecutor(
+                self.settings.key_concurrency, thread_name_prefix="redisq-lane"
+            )
+
+        def run_lane(lane: list[Message]) -> None:
+            for message in lane:
+                self._handle_one(reader, message, lane=True)
+
+        futures = [
+            self._lanes.submit(run_lane, lane)
+            for lane in lanes(messages, self.settings.key_concurrency)
+        ]  # noqa: E501
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        with self.consumer._lock:
+            reader.handled_through(messages[-1].offset, len(messages), time.monotonic())
+
+    def _handle_one(self, reader: OrderlyPartition | None, message: Message, *, lane: bool) -> None:
+        """Handler, retries and the failure policy for one message; then it counts as handled
+        (orderly: the position may pass it; concurrent: XACK with the next read)."""
+        consumer = self.consumer
+        self._check()
+        if reader is not None and reader.parked:
+            with consumer._lock:
+                if reader.hold_if_parked(message, time.monotonic(), advance=not lane):
+                    return
+        if message.__class__ is MalformedMessage:
+            self._on_malformed(reader, message, lane)
+            return
+        handler = consumer.handler_for_workers()
+        attempt = message.attempt
+        blocked = False
+        while True:
+            try:
+                handler(consumer._deserialize(message))
+                break
+            except _Stop:
+                raise
+            except Exception as error:
+                consumer.stats.failures += 1
+                action = self.policy.decide(attempt, error)
+                log.warning(
+                    "%s: %s/%d@%s attempt %d failed (%s: %s): %s",
+                    consumer.name, *self.tp, message.offset, attempt, type(error).__name__,
+                    error, type(action).__name__,
+                )  # fmt: skip
+                if isinstance(action, DeadLetter):
+                    self._dead_letter(reader, message, error, attempt, action.park_key, lane)
+                    return
+                if isinstance(action, Block) and not blocked:
+                    blocked = True
+                    if reader is not None:
+                        reader.blocked = message.offset
+                    self.io.mark_blocked(self.tp, message, error, attempt)
+                assert isinstance(action, Retry | Block)
+                self._sleep_while_owned(action.delay_s)
+                attempt += 1
+                consumer.stats.retries += 1
+                message = replace(message, attempt=attempt)
+                self._check()
+        consumer.note_handled(1)
+        self._handled(reader, message, lane, unblock=blocked)
+
+    def _handled(
+        self, reader: OrderlyPartition | None, message: Message, lane: bool, *, unblock: bool
+    ) -> None:
+        if reader is None:
+            if not self._pending_acks:
+                self._ack_since = time.monotonic()
+            self._pending_acks.append(message.offset)
+            return
+        with self.consumer._lock:
+            if unblock:
+                reader.unblocked(time.monotonic())
+            if not lane or message.offset in reader.held:
+                reader.handled(message, time.monotonic())
+
+    def _dead_letter(
+        self,
+        reader: OrderlyPartition | None,
+        message: Message,
+        error: BaseException,
+        attempts: int,
+        park: bool,
+        lane: bool,
+    ) -> None:
+        try:
+            self.io.dead_letter(reader, message, error, attempts, park=park)
+        except InvalidName:
+            raise
+        self.consumer.stats.dead_letters += 1
+        if not isinstance(message, MalformedMessage):  # those are logged at a bounded rate
+            log.error(
+                "%s: %s/%d@%s dead-lettered after %d attempts%s: %s",
+                self.consumer.name, *self.tp, message.offset, attempts,
+                " (key parked)" if park else "", error,
+            )  # fmt: skip
+        if reader is not None:
+            with self.consumer._lock:
+                if lane:  # the batch's end moves the position; count and park now
+                    reader.pending.dead_letters += 1
+                    if park and message.key:
+                        reader.parked.add(message.key)
+                        reader.pending.parked.append((message.key, message.offset))
+                else:
+                    reader.dead_lettered(
+                        message,
+                        park=park,
+                        malformed=isinstance(message, MalformedMessage),
+                        now=time.monotonic(),
+                    )
+
+    def _on_malformed(self, reader: OrderlyPartition | None, message: Message, lane: bool) -> None:
+        action = self.policy.malformed()
+        if isinstance(action, DeadLetter):
+            self.consumer.stats.malformed += 1
+            error = message.error()  # type: ignore[attr-defined]
+            self._dead_letter(reader, message, error, 0, action.park_key, lane)
+            return
+        if reader is None:  # concurrent: it stays pending and is retried when reclaimed
+            self.consumer.stats.malformed += 1
+            self.io.note_malformed(message, "left pending (policy block)")
+            return
+        if reader.blocked != message.offset:  # once per entry, however long it blocks
+            self.consumer.stats.malformed += 1
+            self.io.note_malformed(message, "blocking (policy block)")
+            self.io.mark_blocked(self.tp, message, message.error(), 0)  # type: ignore[attr-defined]
+        with self.consumer._lock:
+            reader.blocked = message.offset
+            reader.reread_from(message.offset)  # read again from it: an XDEL (or retention) ends it
+        self._sleep_while_owned(self.policy.backoff.delay(1))
+        raise _Retry
+
+    # -- concurrent ------------------------------------------------------------------------------
+    def _concurrent(self) -> None:
+        consumer = self.consumer
+        batch = self.settings.batch_size
+        while self._may_handle():
+            try:
+                claimed = self.io.claim_idle(self.tp, batch)
+                if claimed:
+                    for message in claimed:
+                        self._handle_one(None, message, lane=False)
+                    continue
+                ids = self._pending_acks[:1000]
+                messages = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
+                del self._pending_acks[: len(ids)]
+                for message in messages:
+                    self._handle_one(None, message, lane=False)
+            except _NETWORK_ERRORS as exc:
+                log.warning("%s: %s/%d: %s; retrying", consumer.name, *self.tp, exc)
+                time.sleep(0.2)
+
+    def _flush_group_acks(self) -> None:
+        try:
+            while self._pending_acks:
+                ids = self._pending_acks[:1000]
+                self.io.ack_group(self.tp, ids)
+                del self._pending_acks[: len(ids)]
+        except redis.RedisError as exc:
+            log.warning("%s: %s/%d: final ack failed: %s", self.consumer.name, *self.tp, exc)
+
+
+class _Retry(Exception):
+    """A malformed entry blocks: the worker reads the partition again from it."""
