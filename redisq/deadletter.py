@@ -112,6 +112,37 @@ class DeadLetter:
         )
 
 
+LETTER_PRODUCER_OPTIONS = {
+    "idempotence": "message_id",
+    "max_message_bytes": _LETTER_MAX_BYTES,
+    "max_batch_bytes": 64 << 20,
+}
+
+
+def letter(
+    message: Message, error: BaseException | str, attempts: int, group: str
+) -> tuple[bytes, bytes | None, dict[str, str | bytes], str]:
+    """(value, key, headers, message id) of the dead letter of `message`: written with this
+    message id, a repeated copy (a crash before the source moved on) is stored once."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    headers: dict[str, str | bytes] = dict(message.headers)
+    if isinstance(message, MalformedMessage):
+        headers[RAW_FIELDS_HEADER] = encode_fields(message.raw_fields)
+    headers.update(
+        {
+            HEADER_PREFIX + "topic": message.topic,
+            HEADER_PREFIX + "partition": str(message.partition),
+            HEADER_PREFIX + "offset": message.offset,
+            HEADER_PREFIX + "group": group,
+            HEADER_PREFIX + "error": text[:MAX_ERROR_CHARS],
+            HEADER_PREFIX + "attempts": str(attempts),
+            HEADER_PREFIX + "at-ms": str(int(time.time() * 1000)),
+        }
+    )
+    key = message.key or None  # a foreign entry may hold an empty k
+    return message.value, key, headers, f"{message.topic}/{message.partition}/{message.offset}"
+
+
 class DeadLetterWriter:
     """Copies failed messages to the dead-letter topic through one lazily started producer.
 
@@ -129,37 +160,13 @@ class DeadLetterWriter:
         with self._lock:
             if self._producer is None:
                 self._broker.create_topic(self.topic, partitions=1, exist_ok=True)
-                self._producer = self._broker.producer(
-                    idempotence="message_id",
-                    max_message_bytes=_LETTER_MAX_BYTES,
-                    max_batch_bytes=64 << 20,
-                )
+                self._producer = self._broker.producer(**LETTER_PRODUCER_OPTIONS)  # type: ignore[arg-type]
             return self._producer
 
     def write(self, message: Message, error: BaseException | str, attempts: int) -> None:
         """Blocks until the copy is acknowledged."""
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        headers: dict[str, str | bytes] = dict(message.headers)
-        if isinstance(message, MalformedMessage):
-            headers[RAW_FIELDS_HEADER] = encode_fields(message.raw_fields)
-        headers.update(
-            {
-                HEADER_PREFIX + "topic": message.topic,
-                HEADER_PREFIX + "partition": str(message.partition),
-                HEADER_PREFIX + "offset": message.offset,
-                HEADER_PREFIX + "group": self._group,
-                HEADER_PREFIX + "error": text[:MAX_ERROR_CHARS],
-                HEADER_PREFIX + "attempts": str(attempts),
-                HEADER_PREFIX + "at-ms": str(int(time.time() * 1000)),
-            }
-        )
-        self._ensure().send(
-            self.topic,
-            message.value,
-            key=message.key or None,  # a foreign entry may hold an empty k
-            headers=headers,
-            message_id=f"{message.topic}/{message.partition}/{message.offset}",
-        )
+        value, key, headers, message_id = letter(message, error, attempts, self._group)
+        self._ensure().send(self.topic, value, key=key, headers=headers, message_id=message_id)
 
     def close(self) -> None:
         with self._lock:

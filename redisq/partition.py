@@ -26,7 +26,14 @@ from redisq.deadletter import DeadLetterWriter
 from redisq.dispatch import OrderlyPartition, lanes
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost
 from redisq.ownership import TopicPartition
-from redisq.policies import Block, DeadLetter, FailurePolicy, Retry
+from redisq.policies import (
+    CallHandler,
+    DeadLetter,
+    FailurePolicy,
+    GaveUp,
+    MarkBlocked,
+    handle_under_policy,
+)
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
 from redisq.records import MalformedMessage, Message, decode_entries
@@ -532,38 +539,43 @@ class Worker(threading.Thread):
             self._on_malformed(reader, message, lane)
             return
         handler = consumer.handler_for_workers()
-        attempt = message.attempt
-        blocked = False
-        while True:
-            try:
-                handler(consumer._deserialize(message))
-                break
-            except _Stop:
-                raise
-            except Exception as error:
-                consumer.stats.failures += 1
-                action = self.policy.decide(attempt, error)
-                log.warning(
-                    "%s: %s/%d@%s attempt %d failed (%s: %s): %s",
-                    consumer.name, *self.tp, message.offset, attempt, type(error).__name__,
-                    error, type(action).__name__,
-                )  # fmt: skip
-                if isinstance(action, DeadLetter):
-                    self._dead_letter(reader, message, error, attempt, action.park_key, lane)
-                    return
-                if isinstance(action, Block) and not blocked:
-                    blocked = True
+        steps = handle_under_policy(message, self.policy)
+        step = next(steps)
+        try:
+            while True:
+                if isinstance(step, CallHandler):
+                    current: Message = step.message  # type: ignore[assignment]
+                    failure: Exception | None = None
+                    try:
+                        handler(consumer._deserialize(current))
+                    except _Stop:
+                        raise
+                    except Exception as error:
+                        failure = error
+                        consumer.stats.failures += 1
+                        log.warning(
+                            "%s: %s/%d@%s attempt %d failed (%s: %s)",
+                            consumer.name, *self.tp, current.offset, current.attempt,
+                            type(error).__name__, error,
+                        )  # fmt: skip
+                    step = steps.send(failure)
+                elif isinstance(step, MarkBlocked):
                     if reader is not None:
                         reader.blocked = message.offset
-                    self.io.mark_blocked(self.tp, message, error, attempt)
-                assert isinstance(action, Retry | Block)
-                self._sleep_while_owned(action.delay_s)
-                attempt += 1
-                consumer.stats.retries += 1
-                message = replace(message, attempt=attempt)
-                self._check()
+                    self.io.mark_blocked(self.tp, message, step.error, step.attempts)
+                    step = next(steps)
+                else:
+                    self._sleep_while_owned(step.delay_s)
+                    consumer.stats.retries += 1
+                    step = next(steps)
+        except StopIteration as done:
+            outcome = done.value
+        if isinstance(outcome, GaveUp):
+            self._dead_letter(reader, message, outcome.error, outcome.attempts, outcome.park_key,
+                              lane)  # fmt: skip
+            return
         consumer.note_handled(1)
-        self._handled(reader, message, lane, unblock=blocked)
+        self._handled(reader, message, lane, unblock=outcome.was_blocked)
 
     def _handled(
         self, reader: OrderlyPartition | None, message: Message, lane: bool, *, unblock: bool

@@ -25,7 +25,9 @@ policy's `malformed()` answers for it at once. A new policy is one class:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Generator
+from dataclasses import dataclass, replace
+from typing import Any
 
 from redisq.errors import check_int
 
@@ -115,3 +117,64 @@ def make_policy(spec: str | FailurePolicy, max_attempts: int, backoff: Backoff) 
     if isinstance(spec, str):
         return POLICIES[spec](max_attempts, backoff)
     return spec
+
+
+# -- one message under a policy, for either driver -------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CallHandler:
+    """Call the handler with this message; send back None, or the exception it raised."""
+
+    message: object
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Sleep this long, while the partition is still ours (else stop)."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class MarkBlocked:
+    """Show the message as blocked (describe_group, lag)."""
+
+    error: BaseException
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Handled:
+    message: object
+    was_blocked: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GaveUp:
+    """Dead-letter it (park_key: and park its key)."""
+
+    error: BaseException
+    attempts: int
+    park_key: bool
+
+
+def handle_under_policy(
+    message: Any, policy: FailurePolicy
+) -> Generator[CallHandler | Wait | MarkBlocked, BaseException | None, Handled | GaveUp]:
+    """The attempts of one message: the handler, then retries with backoff, until it succeeds or
+    the policy gives up (or blocks, retrying for ever). The thread and asyncio consumers drive
+    the same steps with their own calls and sleeps."""
+    attempt = message.attempt
+    blocked = False
+    while True:
+        error = yield CallHandler(message)
+        if error is None:
+            return Handled(message, blocked)
+        action = policy.decide(attempt, error)
+        if isinstance(action, DeadLetter):
+            return GaveUp(error, attempt, action.park_key)
+        if isinstance(action, Block) and not blocked:
+            blocked = True
+            yield MarkBlocked(error, attempt)
+        yield Wait(action.delay_s)
+        attempt += 1
+        message = replace(message, attempt=attempt)
