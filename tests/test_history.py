@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import redisq
+from tests.history.checker import Stored
 from tests.history.deployments import (
     node_id,
     role,
@@ -38,9 +39,9 @@ KINDS = ["valkey", "redis"]
 LEASE_TTL_MS = 1500
 
 
-def stored_at(url: str, namespace: str, partitions_topic: str = TOPIC) -> list:  # type: ignore[type-arg]
+def stored_at(url: str, namespace: str) -> list[Stored]:
     with redisq.connect(url, namespace=namespace) as reader:
-        return read_stored(reader, partitions_topic)
+        return read_stored(reader)
 
 
 def hold(seconds: float) -> None:

@@ -149,7 +149,7 @@ def test_membership_churn(server: ServerProcess, tmp_path: Path) -> None:
 
 # -- foreign entries -------------------------------------------------------------------------------
 
-FOREIGN: list[dict[str, bytes]] = [
+FOREIGN: list[dict[bytes, bytes]] = [
     {b"foo": b"bar"},  # no field redisq writes
     {b"k": b"k0", b"v": b"foreign-p", b"p": b"not-a-number"},
     {b"k": b"k1", b"v": b"foreign-s", b"p": b"1", b"s": b"xyz"},

@@ -216,9 +216,9 @@ def key_order_in_log(history: History, stored: list[Stored]) -> list[str]:
     order their sends were invoked (messages not stored are skipped: a failed send may be lost,
     but what is stored must not be reordered)."""
     violations = []
-    position = {}
-    for entry in stored:
-        position.setdefault(entry.value, entry)
+    position: dict[str, Stored] = {}
+    for stored_entry in stored:
+        position.setdefault(stored_entry.value, stored_entry)
     for inst, invokes in history.by_instance.items():
         last: dict[str | None, tuple[Event, Stored]] = {}
         for invoke in invokes:

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from tests.history.recorder import Recorder
+from tests.history.recorder import Recorder, ServerClock
 from tests.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,17 +103,20 @@ class WorkerProcess:
 
 
 class Driver:
-    """Does the faults and records them as `fault` events (action, target, server_ms)."""
+    """Does the faults and records them as `fault` events (action, target, server_ms). The
+    server's TIME comes from the server a fault is about, else from clock_url, when it answers
+    (a stop is recorded before its signal, a continue after it, so a recorded SIGSTOP window
+    covers the real one)."""
 
-    def __init__(self, history: Path) -> None:
+    def __init__(self, history: Path, clock_url: str | None = None) -> None:
         self.recorder = Recorder(history, "driver")
+        self.clock = ServerClock(clock_url)
 
     def record(
         self, action: str, target: str, server: ServerProcess | None = None, **detail: Any
     ) -> None:
-        self.recorder.record(
-            "fault", action=action, target=target, server_ms=_server_ms(server), **detail
-        )
+        server_ms = _server_ms(server) if server is not None else self.clock.now_ms()
+        self.recorder.record("fault", action=action, target=target, server_ms=server_ms, **detail)
 
     # -- servers -----------------------------------------------------------------------------
     def kill_server(self, server: ServerProcess, target: str = "server") -> None:
@@ -157,10 +160,11 @@ class Driver:
 
     def close(self) -> None:
         self.recorder.close()
+        self.clock.close()
 
 
-def _server_ms(server: ServerProcess | None) -> float | None:
-    if server is None or server.process is None or server.process.poll() is not None:
+def _server_ms(server: ServerProcess) -> float | None:
+    if server.process is None or server.process.poll() is not None:
         return None
     try:
         with redis.Redis(port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5) as c:

@@ -16,6 +16,7 @@ import os
 import signal
 import uuid
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ class Run:
         self.servers = list(servers)
         self.proxies: list[Proxy] = []
         self.workers: dict[str, WorkerProcess] = {}
-        self.driver = Driver(self.dir / "driver.jsonl")
+        plain = (time_url or url).startswith(("redis://", "rediss://"))
+        self.driver = Driver(self.dir / "driver.jsonl", (time_url or url) if plain else None)
         self.tail = Tail(self.dir)
 
     def __enter__(self) -> Run:
@@ -184,8 +186,10 @@ class Run:
     def wait_streams(self, procs: Iterable[str], timeout: float = DRAIN_S) -> None:
         """Until each producer's stream has ended (its count invoked, or stopped by an error)."""
         for proc in procs:
-            self.wait(lambda p=proc: self.count("stream_end", p) > 0, timeout,
-                      f"the stream of {proc} to end")  # fmt: skip
+            self.wait(partial(self.ended, proc), timeout, f"the stream of {proc} to end")
+
+    def ended(self, proc: str) -> bool:
+        return self.count("stream_end", proc) > 0
 
     def close_producers(self, procs: Iterable[str], timeout: float = FLUSH_S) -> list[str]:
         """Stop each producer's stream, flush and close it; returns what went wrong. Once the

@@ -158,14 +158,15 @@ class ProducerWorker:
             for _ in range(int(command.get("count", 1))):
                 value, _ = self._next(command["key"])
                 started = time.monotonic()
+                outcome: dict[str, Any] = {"value": value}
                 try:
                     meta = self.producer.send(self.args.topic, value, key=command["key"])
                 except Exception as exc:
                     self._fail(value, exc)
-                    outcome = {"value": value, **_error(exc)}
+                    outcome.update(_error(exc))
                 else:
                     self._ok(value, meta)
-                    outcome = {"value": value, "offset": meta.offset, "dup": meta.duplicate}
+                    outcome.update(offset=meta.offset, dup=meta.duplicate)
                 outcome["elapsed"] = time.monotonic() - started
                 outcomes.append(outcome)
             return {"outcomes": outcomes}
