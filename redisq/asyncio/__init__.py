@@ -19,6 +19,7 @@ core) and the same protocol layer; only the I/O differs.
 """
 
 from redisq.asyncio.broker import Broker, connect
+from redisq.asyncio.consumer import Consumer
 from redisq.asyncio.producer import Producer
 from redisq.errors import (
     DeliveryTimeout,
@@ -38,6 +39,7 @@ from redisq.records import Message, RecordMetadata
 
 __all__ = [
     "Broker",
+    "Consumer",
     "DeliveryTimeout",
     "InvalidConfig",
     "InvalidName",

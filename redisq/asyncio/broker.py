@@ -24,7 +24,6 @@ from redisq.topic import DEFAULT_PRODUCER_STATE_TTL_MS, TopicConfig, TopicDescri
 
 if TYPE_CHECKING:
     from redisq.asyncio.consumer import Consumer
-
     from redisq.asyncio.producer import Producer
 
 log = logging.getLogger("redisq.asyncio.broker")
