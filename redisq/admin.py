@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from redisq.errors import InvalidConfig, TopicExists, TopicNotFound, check_int
+from redisq.errors import InvalidConfig, TopicExists, TopicInUse, TopicNotFound, check_int
 from redisq.keys import KeySpace, validate_topic
 from redisq.protocol import Command, Operation, Step, optional_text, text
 from redisq.protocol import admin as scripts
@@ -156,11 +156,44 @@ def list_topics(keys: KeySpace) -> Operation[list[str]]:
     return sorted(text(m) for m in members)
 
 
-def delete_topic(keys: KeySpace, topic: str) -> Operation[int]:
-    """Remove the metadata (producers are refused from then on); returns the partition count
-    whose keys the caller then deletes (they may sit on every node of a cluster)."""
+# A member that beat within this long counts as live for delete_topic (the default session
+# timeout is 30 s; a group's own timeout is not stored).
+LIVE_MEMBER_MS = 60_000
+
+
+def topic_groups(keys: KeySpace, topic: str) -> Operation[list[str]]:
+    """The names of the topic's consumer groups."""
+    members = yield Command(("SMEMBERS", keys.groups(topic)))
+    return sorted(text(m) for m in members)
+
+
+def delete_topic(
+    keys: KeySpace, topic: str, *, force: bool = False
+) -> Operation[tuple[int, list[str]]]:
+    """Remove the metadata (producers are refused from then on) and the topic's groups (their
+    settings, members and registry); returns (the partition count, the group names): the caller
+    then deletes every key of the partitions (they may sit on every node of a cluster) and the
+    groups' dead-letter topics. Refused with TopicInUse while a group has live members, unless
+    force: their next read, commit or lease renewal then finds nothing."""
     validate_topic(topic)
-    return (yield scripts.delete_topic(keys, topic))
+    groups = yield from topic_groups(keys, topic)
+    if not force and groups:
+        now = yield Command(("TIME",), server_ms)
+        live = yield [
+            Command(("ZRANGEBYSCORE", keys.group_members(topic, g), now - LIVE_MEMBER_MS, "+inf"))
+            for g in groups
+        ]
+        for group, members in zip(groups, live, strict=True):
+            if isinstance(members, Exception):
+                raise members
+            if members:
+                raise TopicInUse(topic, group, [text(m) for m in members])
+    partitions = yield scripts.delete_topic(keys, topic)
+    doomed: list[str] = [keys.groups(topic)]
+    for group in groups:
+        doomed += [keys.group_meta(topic, group), keys.group_members(topic, group)]
+    yield Command(("DEL", *doomed), int)
+    return partitions, groups
 
 
 def trim(keys: KeySpace, topic: str) -> Operation[int]:

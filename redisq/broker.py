@@ -11,8 +11,8 @@ from redis.cluster import RedisCluster
 
 from redisq import admin, connection
 from redisq.admin import MAX_PARTITIONS
-from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicNotFound
-from redisq.keys import KeySpace, validate_topic
+from redisq.errors import InvalidConfig, InvalidName, PartitionOutOfRange, TopicNotFound
+from redisq.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.protocol import Operation, run_operation
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import Scripts, is_fake
@@ -170,10 +170,12 @@ class Broker:
                 nodes[p] = f"{target.host}:{target.port}"
         return self._run(admin.describe_topic(self.keys, topic, nodes))
 
-    def delete_topic(self, topic: str) -> None:
-        """Delete the topic's metadata, then every key of its partitions (streams, producer
-        state, dedup buckets). Producers writing to it afterwards get TopicNotFound."""
-        partitions = self._run(admin.delete_topic(self.keys, topic))
+    def delete_topic(self, topic: str, *, force: bool = False) -> None:
+        """Delete a topic and everything it owns: its partitions' keys (streams, producer state,
+        dedup buckets, leases, the groups' positions, parked keys and held messages), its
+        consumer groups and their dead-letter topics. Producers writing to it afterwards get
+        TopicNotFound. Refused with TopicInUse while a group has live members, unless force."""
+        partitions, groups = self._run(admin.delete_topic(self.keys, topic, force=force))
         self._topic_cache.pop(topic, None)
         for p in range(partitions):
             doomed = list(
@@ -182,6 +184,11 @@ class Broker:
             for start in range(0, len(doomed), 500):
                 # One DEL per slot: every key of a partition shares its hash tag.
                 self.client.delete(*doomed[start : start + 500])
+        for group in groups:
+            try:
+                self.delete_topic(dead_letter_topic(topic, group), force=True)
+            except (TopicNotFound, InvalidName):
+                pass
         log.info("deleted topic %s", topic)
 
     # -- reading (a simple reader; consumer groups live in consumer.py) ------------------------

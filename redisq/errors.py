@@ -140,6 +140,27 @@ class LeaseLost(RedisqError):
         super().__init__("lease lost" + (f": {detail}" if detail else ""))
 
 
+class GroupNotFound(RedisqError):
+    def __init__(self, topic: str, group: str) -> None:
+        super().__init__(f"group {group!r} of topic {topic!r} does not exist")
+        self.topic = topic
+        self.group = group
+
+
+class TopicInUse(RedisqError):
+    """delete_topic while a group still has live members (force=True deletes anyway)."""
+
+    def __init__(self, topic: str, group: str, members: list[str]) -> None:
+        shown = ", ".join(members[:5]) + (" ..." if len(members) > 5 else "")
+        super().__init__(
+            f"topic {topic!r}: group {group!r} has live members ({shown}); stop them, or "
+            "delete with force=True"
+        )
+        self.topic = topic
+        self.group = group
+        self.members = members
+
+
 class GroupModeMismatch(RedisqError, ValueError):
     """A consumer asked for another mode (orderly/concurrent) than the group was created with."""
 

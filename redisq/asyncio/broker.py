@@ -15,8 +15,14 @@ from redis.asyncio.cluster import RedisCluster
 
 from redisq import admin, connection
 from redisq.asyncio.client import AsyncScripts, open_client, resolve_url, run_operation
-from redisq.errors import InvalidConfig, PartitionOutOfRange, TopicNotFound, check_int
-from redisq.keys import KeySpace, validate_topic
+from redisq.errors import (
+    InvalidConfig,
+    InvalidName,
+    PartitionOutOfRange,
+    TopicNotFound,
+    check_int,
+)
+from redisq.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import is_fake
 from redisq.settings import ProducerOptions
@@ -153,9 +159,9 @@ class Broker:
         )
         return description
 
-    async def delete_topic(self, topic: str) -> None:
+    async def delete_topic(self, topic: str, *, force: bool = False) -> None:
         """See redisq.Broker.delete_topic."""
-        partitions = int(await self.run(admin.delete_topic(self.keys, topic)))
+        partitions, groups = await self.run(admin.delete_topic(self.keys, topic, force=force))
         self._topic_cache.pop(topic, None)
         for p in range(partitions):
             doomed = [
@@ -166,6 +172,11 @@ class Broker:
             ]
             for start in range(0, len(doomed), 500):
                 await self.client.delete(*doomed[start : start + 500])
+        for group in groups:
+            try:
+                await self.delete_topic(dead_letter_topic(topic, group), force=True)
+            except (TopicNotFound, InvalidName):
+                pass
         log.info("deleted topic %s", topic)
 
     # -- reading ---------------------------------------------------------------------------------
