@@ -345,7 +345,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     cleanup = redisq.connect(url, namespace=namespace)
     for topic in cleanup.list_topics():
-        cleanup.delete_topic(topic)
+        cleanup.delete_topic(topic, force=True)  # member-0 was killed, not closed
     cleanup.close()
     print("\nverdict:", "OK" if ok else "FAILED")
     return 0 if ok else 1
