@@ -233,7 +233,7 @@ def check_server(client: Any) -> str:
 
 
 def server_description(info: dict[str, Any]) -> str:
-    """"redis 7.0.15" / "valkey 9.1.2" from INFO server (a cluster client's answer has one dict
+    """ "redis 7.0.15" / "valkey 9.1.2" from INFO server (a cluster client's answer has one dict
     per node); UnsupportedServer below Redis 7.0 / Valkey 8."""
     values = list(info.values())
     if values and isinstance(values[0], dict):

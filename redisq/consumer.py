@@ -7,7 +7,7 @@ The decisions live in I/O-free cores: ownership.py (membership, assignment, leas
 dispatch.py (an orderly partition's position, commits, held keys), policies.py (what a failed
 handler leads to). This module owns the threads and talks to Redis through the protocol layer:
 a coordinator thread heartbeats, follows the assignment and keeps the leases; in run() each
-owned partition has a worker thread (partition.py) calling the handler one message at a time in
+owned partition has a worker thread (worker.py) calling the handler one message at a time in
 offset order (key_concurrency=N: N lanes, each key in order); poll() reads in the caller's
 thread.
 
@@ -23,140 +23,29 @@ again by the next owner. Exactly-once effects need an idempotent handler (`Consu
 from __future__ import annotations
 
 import logging
-import os
-import re
-import secrets
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Unpack
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition
-from redisq.errors import (
-    ConsumerClosed,
-    InvalidConfig,
-    InvalidName,
-    LeaseLost,
-    TopicNotFound,
-    check_int,
-)
-from redisq.group import GroupMembership
+from redisq.coordinator import Coordinator, default_member_name
+from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.idempotent import IdempotentHandler
-from redisq.keys import dead_letter_topic, validate_name, validate_topic
-from redisq.ownership import OwnershipCore, TopicPartition
-from redisq.partition import PartitionIO, Worker, deserializer
-from redisq.policies import Backoff, make_policy
+from redisq.ownership import TopicPartition
 from redisq.records import Message
-from redisq.settings import ConsumerOptions, ConsumerSettings
-
-if TYPE_CHECKING:
-    from redisq.broker import Broker
+from redisq.stats import ConsumerStats
+from redisq.worker import Worker
 
 log = logging.getLogger("redisq.consumer")
 
-
-@dataclass
-class ConsumerStats:
-    handled: int = 0
-    failures: int = 0
-    retries: int = 0
-    dead_letters: int = 0
-    malformed: int = 0
-    leases_acquired: int = 0
-    leases_lost: int = 0
-    fenced_commits: int = 0
-    commits: int = 0
-    rebalances: int = 0
-
-    @property
-    def fenced_acks(self) -> int:  # the name before commits replaced acks in orderly mode
-        return self.fenced_commits
+__all__ = ["Consumer", "ConsumerStats", "default_member_name"]
 
 
-def default_member_name() -> str:
-    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())[:60]
-    return f"{host or 'host'}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-class Consumer:
+class Consumer(Coordinator):
     """A member of consumer group `group` of `topics` (a name or a list; `pattern=` adds every
     topic whose name matches). Create it with `broker.consumer(...)`; the options are
     `redisq.settings.ConsumerOptions`."""
-
-    def __init__(
-        self,
-        broker: Broker,
-        topics: str | Sequence[str],
-        group: str,
-        name: str | None = None,
-        **options: Unpack[ConsumerOptions],
-    ) -> None:
-        settings = ConsumerSettings.from_options(dict(options))
-        self.settings = settings
-        self.broker = broker
-        topic_list = [topics] if isinstance(topics, str) else list(topics)
-        if not topic_list and settings.pattern is None:
-            raise InvalidConfig("name at least one topic, or a pattern")
-        self.topics = [validate_topic(t) for t in topic_list]
-        self.group = validate_name("group", group)
-        self.name = validate_name("consumer", name) if name is not None else default_member_name()
-        self.mode = settings.mode
-        self.policy = make_policy(
-            settings.failure_policy,
-            settings.max_attempts,
-            Backoff(settings.retry_backoff_ms, settings.max_retry_backoff_ms),
-        )
-        if self.policy.needs_order and self.mode != "orderly":
-            raise InvalidConfig(f"failure_policy {self.policy.name!r} needs mode='orderly'")
-        if self.policy.name != "block":
-            for topic in self.topics:  # a name past its length limit can only block
-                try:
-                    dead_letter_topic(topic, self.group)
-                except InvalidName as exc:
-                    raise InvalidName(
-                        f"{exc}; a group whose dead-letter topic cannot exist needs "
-                        "failure_policy='block'"
-                    ) from None
-        self.stats = ConsumerStats()
-        self._pattern = re.compile(settings.pattern) if settings.pattern else None
-        self._ack_interval_s = settings.ack_interval_ms / 1000
-        self._tick_s = min(0.1, settings.lease_ttl_ms / 9000)
-        self._key_decoder = deserializer(settings.key_deserializer)
-        self._value_decoder = deserializer(settings.value_deserializer)
-        self._lock = threading.RLock()
-        self.ownership = OwnershipCore(
-            self.name,
-            orderly=self.mode == "orderly",
-            lease_ttl_ms=settings.lease_ttl_ms,
-            heartbeat_ms=settings.heartbeat_ms,
-            metadata_max_age_ms=settings.metadata_max_age_ms,
-        )
-        self._memberships: dict[str, GroupMembership] = {}
-        self.io = PartitionIO(broker, self.group, self.name, settings, self.policy)
-        self._readers: dict[TopicPartition, OrderlyPartition] = {}
-        self._workers: dict[TopicPartition, Worker] = {}
-        self._handler: Callable[[Message], Any] | None = None
-        self._use: str | None = None  # "poll" or "run"
-        self._stopping = threading.Event()
-        self._coordinator_stop = threading.Event()
-        self._wake = threading.Event()
-        self._closed = False
-        self._poll_cursor = 0
-        self._last_handled = time.monotonic()
-
-        for topic in self.topics:
-            broker.topic_config(topic, refresh=True)  # TopicNotFound before anything is written
-        for topic in self.topics:
-            self._join(topic)
-        self._refresh_metadata()
-        self._coordinator = threading.Thread(
-            target=self._coordinate, name=f"redisq-consumer-{self.name}", daemon=True
-        )
-        self._coordinator.start()
 
     @property
     def topic(self) -> str:
@@ -176,44 +65,6 @@ class Consumer:
         self.close()
 
     # -- membership ------------------------------------------------------------------------------
-    def _join(self, topic: str) -> None:
-        membership = GroupMembership(
-            self.broker,
-            topic,
-            self.group,
-            self.name,
-            mode=self.mode,
-            start=self.settings.start,
-            policy=self.policy.name,
-            lease_ttl_ms=self.settings.lease_ttl_ms,
-            session_timeout_ms=self.settings.session_ms,
-        )
-        if membership.join():
-            log.info("created group %s on %s (%s)", self.group, topic, self.mode)
-        self._memberships[topic] = membership
-        self.ownership.members_seen(topic, membership.heartbeat())
-
-    def _refresh_metadata(self) -> None:
-        """Partition counts of the subscribed topics (added partitions are taken up), and with a
-        pattern, topics created or deleted since."""
-        if self._pattern is not None:
-            for topic in self.broker.list_topics():
-                if topic not in self._memberships and self._pattern.fullmatch(topic):
-                    self.topics.append(topic)
-                    self._join(topic)
-        for topic in list(self._memberships):
-            try:
-                partitions = self.broker.topic_config(topic, refresh=True).partitions
-            except TopicNotFound:
-                log.warning("%s: topic %s no longer exists", self.name, topic)
-                partitions = None
-            with self._lock:
-                self.ownership.partitions_seen(topic, partitions)
-            if partitions is not None and self.mode == "concurrent":
-                membership = self._memberships[topic]
-                for p in range(partitions):
-                    membership.ensure_stream_group(p)
-
     # -- public API ------------------------------------------------------------------------------
     @property
     def assignment(self) -> list[int] | list[TopicPartition]:
@@ -424,174 +275,7 @@ class Consumer:
         self.io.close()
 
     # -- the coordinator thread ------------------------------------------------------------------
-    def _coordinate(self) -> None:
-        """Heartbeats, metadata, assignment, lease acquire/renew/hand-over; until close()."""
-        while not self._coordinator_stop.is_set():
-            try:
-                self._coordinate_once(time.monotonic())
-            except redis.RedisError as exc:
-                log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
-            except Exception:  # pragma: no cover - keep the member alive; the lease is the guard
-                log.exception("%s: coordinator error", self.name)
-            self._wake.wait(self._tick_s)
-            self._wake.clear()
-
-    def _coordinate_once(self, now: float) -> None:
-        with self._lock:
-            due = self.ownership.due(now)
-        if due.refresh_metadata:
-            self._refresh_metadata()
-        if due.heartbeat:
-            for topic, membership in list(self._memberships.items()):
-                members = membership.heartbeat()
-                with self._lock:
-                    if self.ownership.members_seen(topic, members):
-                        log.info("%s: members of %s/%s: %s", self.name, topic, self.group, members)
-            with self._lock:
-                self.stats.rebalances = self.ownership.rebalances
-                due = self.ownership.due(now)
-        for tp in due.renew:
-            self._renew(tp)
-        for tp in due.hand_over:
-            self._hand_over(tp, now)
-        for tp in due.acquire:
-            if self._stopping.is_set():
-                break
-            self._acquire(tp)
-
-    def _acquire(self, tp: TopicPartition) -> None:
-        sent = time.monotonic()
-        membership = self._memberships[tp[0]]
-        if self.mode == "concurrent":
-            with self._lock:
-                self.ownership.granted(tp, None, sent)
-                self._maybe_start(tp)
-            return
-        try:
-            grant = membership.acquire_lease(tp[1])
-        except TopicNotFound:
-            log.warning("%s: topic %s no longer exists", self.name, tp[0])
-            with self._lock:
-                self.ownership.partitions_seen(tp[0], None)
-            return
-        if grant is None:
-            return
-        reader = OrderlyPartition(grant)
-        self.io.load_parked(reader)
-        with self._lock:
-            self.ownership.granted(tp, grant, sent)
-            self._readers[tp] = reader
-            self.stats.leases_acquired += 1
-        log.info("%s: acquired %s/%d (token %d)", self.name, tp[0], tp[1], grant.lease.token)
-        self._callback("on_assign", [tp])
-        with self._lock:
-            self._maybe_start(tp)
-
-    def _renew(self, tp: TopicPartition) -> None:
-        with self._lock:
-            owned = self.ownership.owned.get(tp)
-            lease = owned.lease if owned else None
-        if lease is None:
-            return
-        sent = time.monotonic()
-        try:
-            renewed = self._memberships[tp[0]].renew_lease(lease)
-        except redis.RedisError as exc:
-            with self._lock:
-                self.ownership.renew_failed(tp, time.monotonic())
-            log.warning("%s: renewing %s/%d failed: %s", self.name, tp[0], tp[1], exc)
-            return
-        with self._lock:
-            if renewed:
-                self.ownership.renewed(tp, sent)
-            elif self.ownership.lost(tp):
-                self.stats.leases_lost += 1
-                log.warning("%s: lease on %s/%d lost", self.name, tp[0], tp[1])
-                if tp not in self._workers:
-                    self._forget(tp)
-
-    def _hand_over(self, tp: TopicPartition, now: float) -> None:
-        """A revoked partition: run() workers stop by themselves; in poll() mode it is finished
-        once the caller acked what it got, or after a lease ttl."""
-        with self._lock:
-            if tp in self._workers:
-                return
-            reader = self._readers.get(tp)
-            owned = self.ownership.owned.get(tp)
-            waiting = reader is not None and bool(reader.outstanding)
-            revoked_for = now - owned.revoked_at if owned else 0.0
-        if waiting and revoked_for < self.settings.lease_ttl_ms / 1000:
-            return
-        self._finish(tp)
-
-    def _finish(self, tp: TopicPartition) -> None:
-        """Commit what was handled, tell on_revoke, release the lease (no ttl wait for the
-        next owner)."""
-        with self._lock:
-            owned = self.ownership.owned.get(tp)
-            reader = self._readers.get(tp)
-            if owned is None or owned.finishing:
-                return
-            owned.finishing = True
-        try:
-            if reader is not None:
-                try:
-                    self._commit(tp)
-                except LeaseLost:
-                    log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
-                self._callback("on_revoke", [tp])
-            if owned.lease is not None and not owned.lost:
-                if self._memberships[tp[0]].release_lease(owned.lease):
-                    log.info("%s: released %s/%d", self.name, tp[0], tp[1])
-                else:
-                    with self._lock:
-                        if self.ownership.lost(tp):
-                            self.stats.leases_lost += 1
-                    log.warning("%s: %s/%d: lease had already moved", self.name, *tp)
-        except redis.RedisError as exc:
-            log.warning("%s: handing over %s/%d: %s", self.name, tp[0], tp[1], exc)
-        finally:
-            with self._lock:
-                self._forget(tp)
-
-    def _forget(self, tp: TopicPartition) -> None:
-        self.ownership.finished(tp)
-        self._readers.pop(tp, None)
-        self._workers.pop(tp, None)
-        self._wake.set()
-
-    def _callback(self, name: str, tps: list[TopicPartition]) -> None:
-        callback = getattr(self.settings, name)
-        if callback is None:
-            return
-        try:
-            callback(tps)
-        except Exception:
-            log.exception("%s: %s callback raised", self.name, name)
-
     # -- committing ------------------------------------------------------------------------------
-    def _commit(self, tp: TopicPartition) -> None:
-        with self._lock:
-            reader = self._readers.get(tp)
-            commit = reader.take_commit() if reader is not None else None
-        if reader is None or commit is None:
-            return
-        try:
-            self.io.commit(reader.lease, commit)
-        except LeaseLost:
-            self.stats.fenced_commits += 1
-            with self._lock:
-                if self.ownership.lost(tp):
-                    self.stats.leases_lost += 1
-            raise
-        except redis.RedisError:
-            with self._lock:
-                reader.commit_failed(commit, time.monotonic())
-            raise
-        with self._lock:
-            reader.committed(commit)
-        self.stats.commits += 1
-
     # -- poll ------------------------------------------------------------------------------------
     def _start_use(self, use: str) -> None:
         if self._closed:
@@ -636,11 +320,6 @@ class Consumer:
             result.extend(self._deserialize(m) for m in messages)
         return result
 
-    def _deserialize(self, message: Message) -> Message:
-        if self._key_decoder is None and self._value_decoder is None:
-            return message
-        return self.io.deserialize(message, self._key_decoder, self._value_decoder)
-
     def _tp(self, partition: int | TopicPartition) -> TopicPartition:
         if isinstance(partition, tuple):
             return partition
@@ -649,25 +328,9 @@ class Consumer:
         return (self.topics[0], partition)
 
     # -- run: one worker thread per partition ----------------------------------------------------
-    def _maybe_start(self, tp: TopicPartition) -> None:
-        if self._use == "run":
-            self._start_worker(tp)
-
     def _start_worker(self, tp: TopicPartition) -> None:
         if tp in self._workers or self._handler is None:
             return
         worker = Worker(self, tp, self._readers.get(tp))
         self._workers[tp] = worker
         worker.start()
-
-    def handler_for_workers(self) -> Callable[[Message], Any]:
-        assert self._handler is not None
-        return self._handler
-
-    def note_handled(self, count: int) -> None:
-        self.stats.handled += count
-        self._last_handled = time.monotonic()
-
-    def worker_done(self, tp: TopicPartition) -> None:
-        """A worker stopped (revoked, lease lost or near its deadline, close): hand over."""
-        self._finish(tp)

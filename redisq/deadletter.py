@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 from redisq.errors import InvalidName, TopicNotFound
 from redisq.keys import dead_letter_topic, parse_dead_letter_topic, validate_name, validate_topic
+from redisq.producer import Producer
 from redisq.records import MalformedMessage, Message, decode_fields, encode_fields, parse_id_field
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
-    from redisq.producer import Producer
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.deadletter")
 
@@ -160,7 +160,7 @@ class DeadLetterWriter:
         with self._lock:
             if self._producer is None:
                 self._broker.create_topic(self.topic, partitions=1, exist_ok=True)
-                self._producer = self._broker.producer(**LETTER_PRODUCER_OPTIONS)  # type: ignore[arg-type]
+                self._producer = Producer(self._broker, **LETTER_PRODUCER_OPTIONS)  # type: ignore[arg-type]
             return self._producer
 
     def write(self, message: Message, error: BaseException | str, attempts: int) -> None:
@@ -232,7 +232,9 @@ def replay_dead_letters(
     if not letters:
         return 0
     replayed = 0
-    with broker.producer(idempotence="message_id", max_message_bytes=_LETTER_MAX_BYTES) as producer:
+    with Producer(
+        broker, idempotence="message_id", max_message_bytes=_LETTER_MAX_BYTES
+    ) as producer:
         for letter in letters:
             target = to_topic or _origin(letter)
             producer.send(

@@ -25,7 +25,7 @@ from redisq.protocol import group as calls
 from redisq.protocol.group import Grant, Lease, parse_lease
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.group")
 

@@ -22,7 +22,7 @@ from redisq.keys import validate_name
 from redisq.records import Message
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.idempotent")
 

@@ -15,7 +15,6 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,25 +22,21 @@ import redis
 from redis.cluster import RedisCluster
 
 from redisq.deadletter import DeadLetterWriter
-from redisq.dispatch import OrderlyPartition, lanes
-from redisq.errors import InvalidConfig, InvalidName, LeaseLost
+from redisq.dispatch import OrderlyPartition
+from redisq.errors import InvalidConfig, LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.policies import (
-    CallHandler,
     DeadLetter,
     FailurePolicy,
-    GaveUp,
-    MarkBlocked,
-    handle_under_policy,
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.settings import ConsumerSettings
+from redisq.stats import ConsumerStats
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
-    from redisq.consumer import Consumer, ConsumerStats
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.consumer")
 
@@ -57,10 +52,6 @@ def deserializer(spec: Callable[[bytes], Any] | str | None) -> Callable[[bytes],
     if spec == "str":
         return lambda raw: raw.decode()
     return spec if callable(spec) else None
-
-
-class _Stop(Exception):
-    """The partition must stop being handled (revoked, lease lost or near its deadline, close)."""
 
 
 class PartitionIO:
@@ -372,310 +363,3 @@ def _stream_entries(reply: Any) -> list[Any]:
     if isinstance(reply, dict):
         return next(iter(reply.values())) or []
     return reply[0][1] or []
-
-
-class Worker(threading.Thread):
-    """run(): one partition's handler loop, one message at a time in offset order (or in
-    key_concurrency lanes), stopping when the partition is revoked, its lease is lost or near
-    its deadline, or the consumer closes."""
-
-    def __init__(self, consumer: Consumer, tp: TopicPartition, reader: OrderlyPartition | None):
-        super().__init__(name=f"redisq-{tp[0]}-{tp[1]}", daemon=True)
-        self.consumer = consumer
-        self.tp = tp
-        self.reader = reader
-        self.io = consumer.io
-        self.policy = consumer.policy
-        self.settings = consumer.settings
-        self._lanes: ThreadPoolExecutor | None = None
-        self._pending_acks: list[str] = []
-        self._ack_since = 0.0
-
-    def run(self) -> None:
-        try:
-            if self.reader is not None:
-                self._orderly(self.reader)
-            else:
-                self._concurrent()
-        except _Stop:
-            pass
-        except LeaseLost:
-            log.warning("%s: %s/%d: lease lost; stopping", self.consumer.name, *self.tp)
-            with self.consumer._lock:
-                if self.consumer.ownership.lost(self.tp):
-                    self.consumer.stats.leases_lost += 1
-        except Exception:
-            log.exception("%s: %s/%d worker failed", self.consumer.name, *self.tp)
-        finally:
-            if self._lanes is not None:
-                self._lanes.shutdown(wait=True)
-            if self.reader is None:
-                self._flush_group_acks()
-            self.consumer.worker_done(self.tp)
-
-    # -- ownership -------------------------------------------------------------------------------
-    def _may_handle(self) -> bool:
-        consumer = self.consumer
-        with consumer._lock:
-            if self.reader is None:
-                return not consumer._stopping.is_set() and self.tp in consumer.ownership.owned
-            return consumer.ownership.may_handle(self.tp, time.monotonic())
-
-    def _check(self) -> None:
-        if not self._may_handle():
-            raise _Stop
-
-    def _paused(self) -> bool:
-        with self.consumer._lock:
-            owned = self.consumer.ownership.owned.get(self.tp)
-            return owned is not None and owned.paused
-
-    def _sleep_while_owned(self, delay: float) -> None:
-        end = time.monotonic() + delay
-        while True:
-            self._check()
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            time.sleep(min(left, 0.05))
-
-    # -- orderly ---------------------------------------------------------------------------------
-    def _orderly(self, reader: OrderlyPartition) -> None:
-        consumer = self.consumer
-        batch = self.settings.batch_size
-        interval = consumer._ack_interval_s
-        next_parked_check = 0.0
-        while self._may_handle():
-            if self._paused():
-                self._commit_if_due(reader, interval)
-                time.sleep(0.05)
-                continue
-            now = time.monotonic()
-            if reader.held and now >= next_parked_check:
-                next_parked_check = now + 1.0
-                parked_now = self.io.parked_now(self.tp)
-                with consumer._lock:
-                    free = reader.released(parked_now)
-                if free:
-                    for message in self.io.fetch_offsets(self.tp, free):
-                        self._handle_one(reader, message, lane=False)
-                    continue
-            try:
-                read = self.io.read_range(reader, batch)
-            except _NETWORK_ERRORS as exc:
-                log.warning("%s: %s/%d: %s; reading again", consumer.name, *self.tp, exc)
-                time.sleep(0.2)
-                continue
-            with consumer._lock:
-                messages = reader.admit(read, time.monotonic())
-            if messages:
-                try:
-                    self._handle_batch(reader, messages)
-                except _Retry:
-                    continue
-            elif not read:
-                self._commit_if_due(reader, 0.0)
-                self._wait(reader)
-            self._commit_if_due(reader, interval)
-
-    def _wait(self, reader: OrderlyPartition) -> None:
-        limit = self.consumer.ownership.handling_limit(self.tp)
-        block_ms = min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
-        if block_ms <= 0:
-            return
-        try:
-            self.io.wait_for_entries(self.tp, reader.read_from, block_ms)
-        except _NETWORK_ERRORS:
-            time.sleep(0.2)
-
-    def _commit_if_due(self, reader: OrderlyPartition, interval: float) -> None:
-        if reader.commit_due(time.monotonic(), interval):
-            try:
-                self.consumer._commit(self.tp)
-            except _NETWORK_ERRORS as exc:
-                log.warning("%s: %s/%d: commit failed (%s); again later", self.consumer.name,
-                            *self.tp, exc)  # fmt: skip
-
-    def _handle_batch(self, reader: OrderlyPartition, messages: list[Message]) -> None:
-        if self.settings.key_concurrency > 1 and len(messages) > 1:
-            self._handle_in_lanes(reader, messages)
-            return
-        for message in messages:
-            self._handle_one(reader, message, lane=False)
-
-    def _handle_in_lanes(self, reader: OrderlyPartition, messages: list[Message]) -> None:
-        """Each lane takes its keys in order; the position moves once the whole batch is
-        handled (a lane that stops leaves it where it was: handled again, at-least-once)."""
-        if self._lanes is None:
-            self._lanes = ThreadPoolExecutor(
-                self.settings.key_concurrency, thread_name_prefix="redisq-lane"
-            )
-
-        def run_lane(lane: list[Message]) -> None:
-            for message in lane:
-                self._handle_one(reader, message, lane=True)
-
-        futures = [
-            self._lanes.submit(run_lane, lane)
-            for lane in lanes(messages, self.settings.key_concurrency)
-        ]  # noqa: E501
-        errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
-        with self.consumer._lock:
-            reader.handled_through(messages[-1].offset, len(messages), time.monotonic())
-
-    def _handle_one(self, reader: OrderlyPartition | None, message: Message, *, lane: bool) -> None:
-        """Handler, retries and the failure policy for one message; then it counts as handled
-        (orderly: the position may pass it; concurrent: XACK with the next read)."""
-        consumer = self.consumer
-        self._check()
-        if reader is not None and reader.parked:
-            with consumer._lock:
-                if reader.hold_if_parked(message, time.monotonic(), advance=not lane):
-                    return
-        if message.__class__ is MalformedMessage:
-            self._on_malformed(reader, message, lane)
-            return
-        handler = consumer.handler_for_workers()
-        steps = handle_under_policy(message, self.policy)
-        step = next(steps)
-        try:
-            while True:
-                if isinstance(step, CallHandler):
-                    current: Message = step.message  # type: ignore[assignment]
-                    failure: Exception | None = None
-                    try:
-                        handler(consumer._deserialize(current))
-                    except _Stop:
-                        raise
-                    except Exception as error:
-                        failure = error
-                        consumer.stats.failures += 1
-                        log.warning(
-                            "%s: %s/%d@%s attempt %d failed (%s: %s)",
-                            consumer.name, *self.tp, current.offset, current.attempt,
-                            type(error).__name__, error,
-                        )  # fmt: skip
-                    step = steps.send(failure)
-                elif isinstance(step, MarkBlocked):
-                    if reader is not None:
-                        reader.blocked = message.offset
-                    self.io.mark_blocked(self.tp, message, step.error, step.attempts)
-                    step = next(steps)
-                else:
-                    self._sleep_while_owned(step.delay_s)
-                    consumer.stats.retries += 1
-                    step = next(steps)
-        except StopIteration as done:
-            outcome = done.value
-        if isinstance(outcome, GaveUp):
-            self._dead_letter(reader, message, outcome.error, outcome.attempts, outcome.park_key,
-                              lane)  # fmt: skip
-            return
-        consumer.note_handled(1)
-        self._handled(reader, message, lane, unblock=outcome.was_blocked)
-
-    def _handled(
-        self, reader: OrderlyPartition | None, message: Message, lane: bool, *, unblock: bool
-    ) -> None:
-        if reader is None:
-            if not self._pending_acks:
-                self._ack_since = time.monotonic()
-            self._pending_acks.append(message.offset)
-            return
-        with self.consumer._lock:
-            if unblock:
-                reader.unblocked(time.monotonic())
-            if not lane or message.offset in reader.held:
-                reader.handled(message, time.monotonic())
-
-    def _dead_letter(
-        self,
-        reader: OrderlyPartition | None,
-        message: Message,
-        error: BaseException,
-        attempts: int,
-        park: bool,
-        lane: bool,
-    ) -> None:
-        try:
-            self.io.dead_letter(reader, message, error, attempts, park=park)
-        except InvalidName:
-            raise
-        self.consumer.stats.dead_letters += 1
-        if not isinstance(message, MalformedMessage):  # those are logged at a bounded rate
-            log.error(
-                "%s: %s/%d@%s dead-lettered after %d attempts%s: %s",
-                self.consumer.name, *self.tp, message.offset, attempts,
-                " (key parked)" if park else "", error,
-            )  # fmt: skip
-        if reader is not None:
-            with self.consumer._lock:
-                if lane:  # the batch's end moves the position; count and park now
-                    reader.pending.dead_letters += 1
-                    if park and message.key:
-                        reader.parked.add(message.key)
-                        reader.pending.parked.append((message.key, message.offset))
-                else:
-                    reader.dead_lettered(
-                        message,
-                        park=park,
-                        malformed=isinstance(message, MalformedMessage),
-                        now=time.monotonic(),
-                    )
-
-    def _on_malformed(self, reader: OrderlyPartition | None, message: Message, lane: bool) -> None:
-        action = self.policy.malformed()
-        if isinstance(action, DeadLetter):
-            self.consumer.stats.malformed += 1
-            error = message.error()  # type: ignore[attr-defined]
-            self._dead_letter(reader, message, error, 0, action.park_key, lane)
-            return
-        if reader is None:  # concurrent: it stays pending and is retried when reclaimed
-            self.consumer.stats.malformed += 1
-            self.io.note_malformed(message, "left pending (policy block)")
-            return
-        if reader.blocked != message.offset:  # once per entry, however long it blocks
-            self.consumer.stats.malformed += 1
-            self.io.note_malformed(message, "blocking (policy block)")
-            self.io.mark_blocked(self.tp, message, message.error(), 0)  # type: ignore[attr-defined]
-        with self.consumer._lock:
-            reader.blocked = message.offset
-            reader.reread_from(message.offset)  # read again from it: an XDEL (or retention) ends it
-        self._sleep_while_owned(self.policy.backoff.delay(1))
-        raise _Retry
-
-    # -- concurrent ------------------------------------------------------------------------------
-    def _concurrent(self) -> None:
-        consumer = self.consumer
-        batch = self.settings.batch_size
-        while self._may_handle():
-            try:
-                claimed = self.io.claim_idle(self.tp, batch)
-                if claimed:
-                    for message in claimed:
-                        self._handle_one(None, message, lane=False)
-                    continue
-                ids = self._pending_acks[:1000]
-                messages = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
-                del self._pending_acks[: len(ids)]
-                for message in messages:
-                    self._handle_one(None, message, lane=False)
-            except _NETWORK_ERRORS as exc:
-                log.warning("%s: %s/%d: %s; retrying", consumer.name, *self.tp, exc)
-                time.sleep(0.2)
-
-    def _flush_group_acks(self) -> None:
-        try:
-            while self._pending_acks:
-                ids = self._pending_acks[:1000]
-                self.io.ack_group(self.tp, ids)
-                del self._pending_acks[: len(ids)]
-        except redis.RedisError as exc:
-            log.warning("%s: %s/%d: final ack failed: %s", self.consumer.name, *self.tp, exc)
-
-
-class _Retry(Exception):
-    """A malformed entry blocks: the worker reads the partition again from it."""

@@ -36,7 +36,7 @@ from redisq.topic import TopicConfig
 from redisq.transport import Transport
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.producer")
 T = TypeVar("T")

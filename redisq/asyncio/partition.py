@@ -1,69 +1,59 @@
-"""Reading and handling one partition (asyncio driver): the Redis calls of an asyncio
-consumer's partitions, and the task that runs a handler over one of them.
-
-The same calls and decisions as redisq.partition (the thread driver): a fenced range read
-(MULTI GET lease / XRANGE / EXEC), XREAD BLOCK, the commit, the Redis consumer group for
-concurrent mode, the dead-letter copy; handling one message is policies.handle_under_policy.
+"""The Redis calls of an asyncio consumer's partitions (the twin of redisq.partition): a fenced
+range read (MULTI GET lease / XRANGE / EXEC), XREAD BLOCK, the commit, the Redis consumer group
+for concurrent mode, the dead-letter copy.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.asyncio.cluster import RedisCluster
 
 from redisq.deadletter import LETTER_PRODUCER_OPTIONS, letter
-from redisq.dispatch import OrderlyPartition, lanes
+from redisq.dispatch import OrderlyPartition
 from redisq.errors import LeaseLost
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
-from redisq.partition import PartitionIO
 from redisq.policies import (
-    CallHandler,
-    DeadLetter,
-    GaveUp,
-    MarkBlocked,
-    handle_under_policy,
+    FailurePolicy,
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
-from redisq.records import MalformedMessage, Message, decode_entries
+from redisq.records import Message, decode_entries
+from redisq.settings import ConsumerSettings
+
+from .producer import Producer
 
 if TYPE_CHECKING:
-    from redisq.asyncio.consumer import Consumer
-    from redisq.asyncio.producer import Producer
+    from redisq.asyncio.handle import AsyncBrokerHandle
 
 log = logging.getLogger("redisq.consumer")
 
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
-class Stop(Exception):
-    """The partition must stop being handled (revoked, lease lost or near its deadline, close)."""
-
-
-class _Retry(Exception):
-    """A malformed entry blocks: read the partition again from it."""
-
-
 class AsyncPartitionIO:
     """The Redis calls of one asyncio consumer's partitions."""
 
-    def __init__(self, consumer: Consumer) -> None:
-        self.consumer = consumer
-        self.broker = consumer.broker
-        self.group = consumer.group
-        self.member = consumer.name
-        self.settings = consumer.settings
-        self.policy = consumer.policy
-        self._keys = consumer.broker.keys
-        self._client = consumer.broker.client
+    def __init__(
+        self,
+        broker: AsyncBrokerHandle,
+        group: str,
+        member: str,
+        settings: ConsumerSettings,
+        policy: FailurePolicy,
+    ) -> None:
+        self.broker = broker
+        self.group = group
+        self.member = member
+        self.settings = settings
+        self.policy = policy
+        self._keys = broker.keys
+        self._client = broker.client
         self._cluster = isinstance(self._client, RedisCluster)
         self._letters: Producer | None = None
         self._letter_topics: set[str] = set()
@@ -203,7 +193,7 @@ class AsyncPartitionIO:
             await self.broker.create_topic(topic, partitions=1, exist_ok=True)
             self._letter_topics.add(topic)
         if self._letters is None:
-            self._letters = self.broker.producer(**LETTER_PRODUCER_OPTIONS)  # type: ignore[arg-type]
+            self._letters = Producer(self.broker, **LETTER_PRODUCER_OPTIONS)  # type: ignore[arg-type]
         value, key, headers, message_id = letter(message, error, attempts, self.group)
         await self._letters.send(topic, value, key=key, headers=headers, message_id=message_id)
         if reader is None:
@@ -232,265 +222,3 @@ class AsyncPartitionIO:
     async def close(self) -> None:
         if self._letters is not None:
             await self._letters.close()
-
-
-async def handle_partition(consumer: Consumer, tp: TopicPartition) -> None:
-    """run(): one partition's task (see redisq.partition.Worker, its thread twin)."""
-    reader = consumer._readers.get(tp)
-    handler = _Handling(consumer, tp, reader)
-    try:
-        if reader is not None:
-            await handler.orderly(reader)
-        else:
-            await handler.concurrent()
-    except Stop:
-        pass
-    except LeaseLost:
-        log.warning("%s: %s/%d: lease lost; stopping", consumer.name, *tp)
-        if consumer.ownership.lost(tp):
-            consumer.stats.leases_lost += 1
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("%s: %s/%d worker failed", consumer.name, *tp)
-    finally:
-        if reader is None:
-            await handler.flush_group_acks()
-        await consumer.worker_done(tp)
-
-
-class _Handling:
-    def __init__(self, consumer: Consumer, tp: TopicPartition, reader: OrderlyPartition | None):
-        self.consumer = consumer
-        self.tp = tp
-        self.reader = reader
-        self.io = consumer.io
-        self.settings = consumer.settings
-        self.policy = consumer.policy
-        self.pending_acks: list[str] = []
-
-    def may_handle(self) -> bool:
-        consumer = self.consumer
-        if self.reader is None:
-            return not consumer._stopping.is_set() and self.tp in consumer.ownership.owned
-        return consumer.ownership.may_handle(self.tp, time.monotonic())
-
-    def check(self) -> None:
-        if not self.may_handle():
-            raise Stop
-
-    async def sleep_while_owned(self, delay: float) -> None:
-        end = time.monotonic() + delay
-        while True:
-            self.check()
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            await asyncio.sleep(min(left, 0.05))
-
-    # -- orderly ---------------------------------------------------------------------------------
-    async def orderly(self, reader: OrderlyPartition) -> None:
-        consumer = self.consumer
-        interval = consumer._ack_interval_s
-        next_parked_check = 0.0
-        while self.may_handle():
-            owned = consumer.ownership.owned.get(self.tp)
-            if owned is not None and owned.paused:
-                await self.commit_if_due(reader, interval)
-                await asyncio.sleep(0.05)
-                continue
-            now = time.monotonic()
-            if reader.held and now >= next_parked_check:
-                next_parked_check = now + 1.0
-                free = reader.released(await self.io.parked_now(self.tp))
-                if free:
-                    for message in await self.io.fetch_offsets(self.tp, free):
-                        await self.handle_one(reader, message, lane=False)
-                    continue
-            try:
-                read = await self.io.read_range(reader, self.settings.batch_size)
-            except _NETWORK_ERRORS as exc:
-                log.warning("%s: %s/%d: %s; reading again", consumer.name, *self.tp, exc)
-                await asyncio.sleep(0.2)
-                continue
-            messages = reader.admit(read, time.monotonic())
-            if messages:
-                try:
-                    await self.handle_batch(reader, messages)
-                except _Retry:
-                    continue
-            elif not read:
-                await self.commit_if_due(reader, 0.0)
-                limit = consumer.ownership.handling_limit(self.tp)
-                block_ms = min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
-                if block_ms > 0:
-                    try:
-                        await self.io.wait_for_entries(self.tp, reader.read_from, block_ms)
-                    except _NETWORK_ERRORS:
-                        await asyncio.sleep(0.2)
-            await self.commit_if_due(reader, interval)
-
-    async def commit_if_due(self, reader: OrderlyPartition, interval: float) -> None:
-        if reader.commit_due(time.monotonic(), interval):
-            try:
-                await self.consumer._commit(self.tp)
-            except _NETWORK_ERRORS as exc:
-                log.warning("%s: %s/%d: commit failed (%s); again later", self.consumer.name,
-                            *self.tp, exc)  # fmt: skip
-
-    async def handle_batch(self, reader: OrderlyPartition, messages: list[Message]) -> None:
-        if self.settings.key_concurrency > 1 and len(messages) > 1:
-
-            async def run_lane(lane: list[Message]) -> None:
-                for message in lane:
-                    await self.handle_one(reader, message, lane=True)
-
-            results = await asyncio.gather(
-                *(run_lane(lane) for lane in lanes(messages, self.settings.key_concurrency)),
-                return_exceptions=True,
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            reader.handled_through(messages[-1].offset, len(messages), time.monotonic())
-            return
-        for message in messages:
-            await self.handle_one(reader, message, lane=False)
-
-    async def handle_one(
-        self, reader: OrderlyPartition | None, message: Message, *, lane: bool
-    ) -> None:
-        consumer = self.consumer
-        self.check()
-        if reader is not None and reader.parked:
-            if reader.hold_if_parked(message, time.monotonic(), advance=not lane):
-                return
-        if message.__class__ is MalformedMessage:
-            await self.on_malformed(reader, message, lane)
-            return
-        steps = handle_under_policy(message, self.policy)
-        step = next(steps)
-        try:
-            while True:
-                if isinstance(step, CallHandler):
-                    current: Message = step.message  # type: ignore[assignment]
-                    failure = await consumer._call_handler(current)
-                    if failure is not None:
-                        consumer.stats.failures += 1
-                        log.warning(
-                            "%s: %s/%d@%s attempt %d failed (%s: %s)",
-                            consumer.name, *self.tp, current.offset, current.attempt,
-                            type(failure).__name__, failure,
-                        )  # fmt: skip
-                    step = steps.send(failure)
-                elif isinstance(step, MarkBlocked):
-                    if reader is not None:
-                        reader.blocked = message.offset
-                    await self.io.mark_blocked(self.tp, message, step.error, step.attempts)
-                    step = next(steps)
-                else:
-                    await self.sleep_while_owned(step.delay_s)
-                    consumer.stats.retries += 1
-                    step = next(steps)
-        except StopIteration as done:
-            outcome = done.value
-        if isinstance(outcome, GaveUp):
-            await self.dead_letter(reader, message, outcome.error, outcome.attempts,
-                                   outcome.park_key, lane)  # fmt: skip
-            return
-        consumer.note_handled(1)
-        if reader is None:
-            self.pending_acks.append(message.offset)
-            return
-        if outcome.was_blocked:
-            reader.unblocked(time.monotonic())
-        if not lane or message.offset in reader.held:
-            reader.handled(message, time.monotonic())
-
-    async def dead_letter(
-        self,
-        reader: OrderlyPartition | None,
-        message: Message,
-        error: BaseException,
-        attempts: int,
-        park: bool,
-        lane: bool,
-    ) -> None:
-        await self.io.dead_letter(reader, message, error, attempts)
-        self.consumer.stats.dead_letters += 1
-        if not isinstance(message, MalformedMessage):
-            log.error(
-                "%s: %s/%d@%s dead-lettered after %d attempts%s: %s",
-                self.consumer.name, *self.tp, message.offset, attempts,
-                " (key parked)" if park else "", error,
-            )  # fmt: skip
-        if reader is None:
-            return
-        if lane:
-            reader.pending.dead_letters += 1
-            if park and message.key:
-                reader.parked.add(message.key)
-                reader.pending.parked.append((message.key, message.offset))
-        else:
-            reader.dead_lettered(
-                message, park=park, malformed=isinstance(message, MalformedMessage),
-                now=time.monotonic(),
-            )  # fmt: skip
-
-    async def on_malformed(
-        self, reader: OrderlyPartition | None, message: Message, lane: bool
-    ) -> None:
-        action = self.policy.malformed()
-        error = message.error()  # type: ignore[attr-defined]
-        if isinstance(action, DeadLetter):
-            self.consumer.stats.malformed += 1
-            await self.dead_letter(reader, message, error, 0, action.park_key, lane)
-            return
-        if reader is None:
-            self.consumer.stats.malformed += 1
-            return
-        if reader.blocked != message.offset:
-            self.consumer.stats.malformed += 1
-            await self.io.mark_blocked(self.tp, message, error, 0)
-        reader.blocked = message.offset
-        reader.reread_from(message.offset)
-        await self.sleep_while_owned(self.policy.backoff.delay(1))
-        raise _Retry
-
-    # -- concurrent ------------------------------------------------------------------------------
-    async def concurrent(self) -> None:
-        batch = self.settings.batch_size
-        while self.may_handle():
-            try:
-                claimed = await self.io.claim_idle(self.tp, batch)
-                if claimed:
-                    for message in claimed:
-                        await self.handle_one(None, message, lane=False)
-                    continue
-                ids = self.pending_acks[:1000]
-                messages = await self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
-                del self.pending_acks[: len(ids)]
-                for message in messages:
-                    await self.handle_one(None, message, lane=False)
-            except _NETWORK_ERRORS as exc:
-                log.warning("%s: %s/%d: %s; retrying", self.consumer.name, *self.tp, exc)
-                await asyncio.sleep(0.2)
-
-    async def flush_group_acks(self) -> None:
-        try:
-            while self.pending_acks:
-                ids = self.pending_acks[:1000]
-                await self.io.ack_group(self.tp, ids)
-                del self.pending_acks[: len(ids)]
-        except redis.RedisError as exc:
-            log.warning("%s: %s/%d: final ack failed: %s", self.consumer.name, *self.tp, exc)
-
-
-def is_async_handler(handler: Callable[..., Any]) -> bool:
-    """A coroutine function, or an object whose __call__ is one."""
-    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-        type(handler).__call__
-    )
-
-
-__all__ = ["AsyncPartitionIO", "PartitionIO", "Stop", "handle_partition", "is_async_handler"]

@@ -37,7 +37,7 @@ from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.topic import TopicConfig
 
 if TYPE_CHECKING:
-    from redisq.asyncio.broker import Broker
+    from redisq.asyncio.handle import AsyncBrokerHandle as Broker
 
 log = logging.getLogger("redisq.asyncio.producer")
 

@@ -99,6 +99,7 @@ class Grant:
     entries_read: int | None
     takeovers: int = 0  # earlier grants that started at this same position
 
+
 def acquire_lease(
     keys: KeySpace, ref: GroupRef, partition: int, member: str, lease_ttl_ms: int, start_id: str
 ) -> ScriptCall[Grant | None]:

@@ -1,0 +1,331 @@
+"""The asyncio consumer's coordinator: membership, leases and the partitions' lifecycle (the
+twin of redisq.coordinator), as one task. redisq.asyncio.consumer.Consumer is the API on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Unpack
+
+import redis
+
+from redisq.coordinator import default_member_name
+from redisq.dispatch import OrderlyPartition
+from redisq.errors import InvalidConfig, InvalidName, LeaseLost, TopicNotFound
+from redisq.keys import dead_letter_topic, validate_name, validate_topic
+from redisq.ownership import OwnershipCore, TopicPartition
+from redisq.partition import PartitionIO, deserializer
+from redisq.policies import Backoff, make_policy
+from redisq.protocol import group as calls
+from redisq.protocol.group import GroupRef
+from redisq.records import Message
+from redisq.settings import ConsumerOptions, ConsumerSettings
+from redisq.stats import ConsumerStats
+
+from .partition import AsyncPartitionIO
+
+if TYPE_CHECKING:
+    from redisq.asyncio.handle import AsyncBrokerHandle
+
+log = logging.getLogger("redisq.consumer")
+
+
+class Coordinator:
+    """The state and the coordinator task of one asyncio consumer."""
+
+    def __init__(
+        self,
+        broker: AsyncBrokerHandle,
+        topics: str | Sequence[str],
+        group: str,
+        name: str | None = None,
+        **options: Unpack[ConsumerOptions],
+    ) -> None:
+        settings = ConsumerSettings.from_options(dict(options))
+        self.settings = settings
+        self.broker = broker
+        topic_list = [topics] if isinstance(topics, str) else list(topics)
+        if not topic_list and settings.pattern is None:
+            raise InvalidConfig("name at least one topic, or a pattern")
+        self.topics = [validate_topic(t) for t in topic_list]
+        self.group = validate_name("group", group)
+        self.name = validate_name("consumer", name) if name is not None else default_member_name()
+        self.mode = settings.mode
+        self.policy = make_policy(
+            settings.failure_policy,
+            settings.max_attempts,
+            Backoff(settings.retry_backoff_ms, settings.max_retry_backoff_ms),
+        )
+        if self.policy.needs_order and self.mode != "orderly":
+            raise InvalidConfig(f"failure_policy {self.policy.name!r} needs mode='orderly'")
+        if self.policy.name != "block":
+            for topic in self.topics:
+                try:
+                    dead_letter_topic(topic, self.group)
+                except InvalidName as exc:
+                    raise InvalidName(
+                        f"{exc}; a group whose dead-letter topic cannot exist needs "
+                        "failure_policy='block'"
+                    ) from None
+        self.stats = ConsumerStats()
+        self._pattern = re.compile(settings.pattern) if settings.pattern else None
+        self._ack_interval_s = settings.ack_interval_ms / 1000
+        self._tick_s = min(0.1, settings.lease_ttl_ms / 9000)
+        self._key_decoder = deserializer(settings.key_deserializer)
+        self._value_decoder = deserializer(settings.value_deserializer)
+        self.ownership = OwnershipCore(
+            self.name,
+            orderly=self.mode == "orderly",
+            lease_ttl_ms=settings.lease_ttl_ms,
+            heartbeat_ms=settings.heartbeat_ms,
+            metadata_max_age_ms=settings.metadata_max_age_ms,
+        )
+        self._start_ids: dict[str, str] = {}
+        self.io = AsyncPartitionIO(broker, self.group, self.name, settings, self.policy)
+        self._readers: dict[TopicPartition, OrderlyPartition] = {}
+        self._workers: dict[TopicPartition, asyncio.Task[None]] = {}
+        self._handler: Callable[[Message], Any] | None = None
+        self._handler_is_async = False
+        self._use: str | None = None
+        self._stopping = asyncio.Event()
+        self._closed = False
+        self._started = False
+        self._coordinator: asyncio.Task[None] | None = None
+        self._poll_cursor = 0
+        self._last_handled = time.monotonic()
+
+    async def start(self) -> None:
+        """Join the group (TopicNotFound, GroupModeMismatch now) and start the coordinator."""
+        if self._started:
+            return
+        self._started = True
+        for topic in self.topics:
+            await self.broker.topic_config(topic, refresh=True)
+        for topic in self.topics:
+            await self._join(topic)
+        await self._refresh_metadata()
+        self._coordinator = asyncio.ensure_future(self._coordinate())
+
+    def _ref(self, topic: str) -> GroupRef:
+        return GroupRef(topic, self.group)
+
+    async def _join(self, topic: str) -> None:
+        created, start_id = await self.broker.scripts.run(
+            calls.join_group(
+                self.broker.keys, self._ref(topic), self.name, mode=self.mode,
+                start=self.settings.start, policy=self.policy.name,
+            )
+        )  # fmt: skip
+        if created:
+            log.info("created group %s on %s (%s)", self.group, topic, self.mode)
+        self._start_ids[topic] = start_id
+        await self._heartbeat(topic)
+
+    async def _heartbeat(self, topic: str) -> None:
+        members = await self.broker.scripts.run(
+            calls.heartbeat(self.broker.keys, self._ref(topic), self.name, self.settings.session_ms)
+        )
+        if self.ownership.members_seen(topic, members):
+            log.info("%s: members of %s/%s: %s", self.name, topic, self.group, members)
+
+    async def _refresh_metadata(self) -> None:
+        if self._pattern is not None:
+            for topic in await self.broker.list_topics():
+                if topic not in self._start_ids and self._pattern.fullmatch(topic):
+                    self.topics.append(topic)
+                    await self._join(topic)
+        for topic in list(self._start_ids):
+            try:
+                partitions: int | None = (
+                    await self.broker.topic_config(topic, refresh=True)
+                ).partitions
+            except TopicNotFound:
+                partitions = None
+            self.ownership.partitions_seen(topic, partitions)
+            if partitions is not None and self.mode == "concurrent":
+                for p in range(partitions):
+                    await self.broker.scripts.run(
+                        calls.ensure_stream_group(
+                            self.broker.keys, self._ref(topic), p, self._start_ids[topic]
+                        )
+                    )
+
+    async def _coordinate(self) -> None:
+        while True:
+            try:
+                await self._coordinate_once(time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except redis.RedisError as exc:
+                log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
+            except Exception:  # pragma: no cover - keep the member alive; the lease is the guard
+                log.exception("%s: coordinator error", self.name)
+            await asyncio.sleep(self._tick_s)
+
+    async def _coordinate_once(self, now: float) -> None:
+        due = self.ownership.due(now)
+        if due.refresh_metadata:
+            await self._refresh_metadata()
+        if due.heartbeat:
+            for topic in list(self._start_ids):
+                await self._heartbeat(topic)
+            self.stats.rebalances = self.ownership.rebalances
+            due = self.ownership.due(now)
+        for tp in due.renew:
+            await self._renew(tp)
+        for tp in due.hand_over:
+            if tp in self._workers:
+                continue
+            reader = self._readers.get(tp)
+            owned = self.ownership.owned.get(tp)
+            waiting = reader is not None and bool(reader.outstanding)
+            if waiting and owned and now - owned.revoked_at < self.settings.lease_ttl_ms / 1000:
+                continue
+            await self._finish(tp)
+        for tp in due.acquire:
+            if self._stopping.is_set():
+                break
+            await self._acquire(tp)
+
+    async def _acquire(self, tp: TopicPartition) -> None:
+        sent = time.monotonic()
+        if self.mode == "concurrent":
+            self.ownership.granted(tp, None, sent)
+            self._maybe_start(tp)
+            return
+        try:
+            grant = await self.broker.scripts.run(
+                calls.acquire_lease(
+                    self.broker.keys, self._ref(tp[0]), tp[1], self.name,
+                    self.settings.lease_ttl_ms, self._start_ids[tp[0]],
+                )
+            )  # fmt: skip
+        except TopicNotFound:
+            self.ownership.partitions_seen(tp[0], None)
+            return
+        if grant is None:
+            return
+        reader = OrderlyPartition(grant)
+        await self.io.load_parked(reader)
+        self.ownership.granted(tp, grant, sent)
+        self._readers[tp] = reader
+        self.stats.leases_acquired += 1
+        log.info("%s: acquired %s/%d (token %d)", self.name, tp[0], tp[1], grant.lease.token)
+        await self._callback("on_assign", [tp])
+        self._maybe_start(tp)
+
+    async def _renew(self, tp: TopicPartition) -> None:
+        owned = self.ownership.owned.get(tp)
+        lease = owned.lease if owned else None
+        if lease is None:
+            return
+        sent = time.monotonic()
+        try:
+            renewed = await self.broker.scripts.run(
+                calls.renew_lease(self.broker.keys, lease, self.settings.lease_ttl_ms)
+            )
+        except redis.RedisError as exc:
+            self.ownership.renew_failed(tp, time.monotonic())
+            log.warning("%s: renewing %s/%d failed: %s", self.name, tp[0], tp[1], exc)
+            return
+        if renewed:
+            self.ownership.renewed(tp, sent)
+        elif self.ownership.lost(tp):
+            self.stats.leases_lost += 1
+            log.warning("%s: lease on %s/%d lost", self.name, tp[0], tp[1])
+            if tp not in self._workers:
+                self._forget(tp)
+
+    async def _finish(self, tp: TopicPartition) -> None:
+        owned = self.ownership.owned.get(tp)
+        reader = self._readers.get(tp)
+        if owned is None or owned.finishing:
+            return
+        owned.finishing = True
+        try:
+            if reader is not None:
+                try:
+                    await self._commit(tp)
+                except LeaseLost:
+                    log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
+                await self._callback("on_revoke", [tp])
+            if owned.lease is not None and not owned.lost:
+                released = await self.broker.scripts.run(
+                    calls.release_lease(self.broker.keys, owned.lease)
+                )
+                if not released and self.ownership.lost(tp):
+                    self.stats.leases_lost += 1
+        except redis.RedisError as exc:
+            log.warning("%s: handing over %s/%d: %s", self.name, tp[0], tp[1], exc)
+        finally:
+            self._forget(tp)
+
+    def _forget(self, tp: TopicPartition) -> None:
+        self.ownership.finished(tp)
+        self._readers.pop(tp, None)
+        self._workers.pop(tp, None)
+
+    async def _callback(self, name: str, tps: list[TopicPartition]) -> None:
+        callback = getattr(self.settings, name)
+        if callback is None:
+            return
+        try:
+            result = callback(tps)
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception:
+            log.exception("%s: %s callback raised", self.name, name)
+
+    async def _commit(self, tp: TopicPartition) -> None:
+        reader = self._readers.get(tp)
+        commit = reader.take_commit() if reader is not None else None
+        if reader is None or commit is None:
+            return
+        try:
+            await self.io.commit(reader.lease, commit)
+        except LeaseLost:
+            self.stats.fenced_commits += 1
+            if self.ownership.lost(tp):
+                self.stats.leases_lost += 1
+            raise
+        except redis.RedisError:
+            reader.commit_failed(commit, time.monotonic())
+            raise
+        reader.committed(commit)
+        self.stats.commits += 1
+
+    def _deserialize(self, message: Message) -> Message:
+        if self._key_decoder is None and self._value_decoder is None:
+            return message
+        return PartitionIO.deserialize(message, self._key_decoder, self._value_decoder)
+
+    def _maybe_start(self, tp: TopicPartition) -> None:
+        if self._use == "run":
+            self._start_worker(tp)
+
+    async def _call_handler(self, message: Message) -> Exception | None:
+        """The handler's exception, or None; a plain function runs in a worker thread."""
+        assert self._handler is not None
+        try:
+            if self._handler_is_async:
+                await self._handler(self._deserialize(message))
+            else:
+                await asyncio.to_thread(self._handler, self._deserialize(message))
+        except Exception as exc:
+            return exc
+        return None
+
+    def note_handled(self, count: int) -> None:
+        self.stats.handled += count
+        self._last_handled = time.monotonic()
+
+    async def worker_done(self, tp: TopicPartition) -> None:
+        self._workers.pop(tp, None)
+        await self._finish(tp)
+
+    def _start_worker(self, tp: TopicPartition) -> None:
+        """run() starts a task per partition (redisq.asyncio.consumer.Consumer)."""
