@@ -313,6 +313,7 @@ class ProducerCore:
         batch.dup_flags = result.flags
         batch.ids = result.duplicate_ids
         self.cautious = False
+        self.last_error = None  # what a DeliveryTimeout names: the errors since the last success
         self._retire(self.partitions[(batch.topic, batch.partition)], batch)
 
     def not_durable(self, batch: Batch, error: BaseException) -> None:

@@ -145,6 +145,7 @@ class Producer:
             on_sealed=self._encoder.batch_sealed,
         )
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
+        self._refreshing: set[str] = set()
         self._closed = False
 
         self._check_acks_supported()
@@ -279,6 +280,25 @@ class Producer:
         self._topics[topic] = (now, config)
         return config
 
+    def _refresh_in_background(self, topic: str) -> None:
+        """Read the metadata again in a thread of its own (added partitions, the registration
+        kept alive); sends go on with what is cached meanwhile."""
+        with self._cond:
+            if topic in self._refreshing:
+                return
+            self._refreshing.add(topic)
+
+        def refresh() -> None:
+            try:
+                self._topic_config(topic)
+            except Exception as exc:  # the next refresh tries again; sends report real errors
+                log.debug("metadata refresh of %s failed: %s", topic, exc)
+            finally:
+                with self._cond:
+                    self._refreshing.discard(topic)
+
+        threading.Thread(target=refresh, name="redisq-metadata", daemon=True).start()
+
     # -- sending ---------------------------------------------------------------------------------
     def send_async(
         self,
@@ -298,10 +318,12 @@ class Producer:
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
         cached = self._topics.get(topic)
-        if cached is None or time.monotonic() - cached[0] >= self._metadata_max_age_s:
-            config = self._topic_config(topic)
+        if cached is None:
+            config = self._topic_config(topic)  # the first send to a topic reads it, here
         else:
             config = cached[1]
+            if time.monotonic() - cached[0] >= self._metadata_max_age_s:
+                self._refresh_in_background(topic)  # a silent server must not stall send()
         message = self._encoder.encode(config, value, key, headers, message_id, partition)
         with self._cond:
             if core.buffered >= self.settings.max_buffered_messages:

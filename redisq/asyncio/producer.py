@@ -269,7 +269,15 @@ class Producer:
         partition: int | None = None,
     ) -> RecordMetadata:
         """Send one message and wait until it is acknowledged (no linger)."""
-        config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
+        cached = self._topics.get(topic)
+        if cached is None:
+            config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
+        else:
+            config = cached[1]
+            stale = time.monotonic() - cached[0] >= self._metadata_max_age_s
+            if stale and topic not in self._refreshing:
+                self._refreshing.add(topic)  # refreshed in the background; this one goes now
+                asyncio.ensure_future(self._refresh(topic))
         while self._deferred:  # keep the order of earlier send_async() calls
             await self._wait_progress()
         while self._core.buffered >= self.settings.max_buffered_messages:
