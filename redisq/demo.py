@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import logging
@@ -32,6 +31,8 @@ from redisq.cli import Progress, print_table
 from redisq.connection import resolve_url
 
 TOPIC = "demo-orders"
+PARTITIONS = 4
+LEASE_TTL_MS = 2000
 CHAOS_NAME = "redisq-demo-producer"
 
 
@@ -62,7 +63,7 @@ class ConnectionChaos(threading.Thread):
 
 def produce_with_chaos(url: str | None, namespace: str, messages: int, keys: int) -> dict[str, Any]:
     admin = redisq.connect(url, namespace=namespace)
-    admin.create_topic(TOPIC, partitions=4, exist_ok=True)
+    admin.create_topic(TOPIC, partitions=PARTITIONS, exist_ok=True)
     chaos_target = redisq.connect(url, namespace=namespace, client_name=CHAOS_NAME)
     chaos = ConnectionChaos(admin.client)
     sent_per_key: dict[str, int] = defaultdict(int)
@@ -171,6 +172,7 @@ def consume_with_lost_member(
     messages. Handler starts and ends carry the wall clock (one machine, one clock), so sorting
     them gives the real order: a start of (key, n) needs an end of (key, n - 1) before it."""
     broker = redisq.connect(url, namespace=namespace)
+    partitions = broker.topic_config(TOPIC).partitions
     total = sum(sent_per_key.values())
     log: list[tuple[str, str, int, str, float, int]] = []
     lock = threading.Lock()
@@ -256,11 +258,9 @@ def consume_with_lost_member(
     broker.close()
     delays = [at - lost_at for at in takeover_at.values()]
     return {
-        "partitions / members": "4 partitions, 3 members (member-0 killed with SIGKILL)",
-        "lost member's partitions": sorted(victim_partitions),
-        f"takeover after (s; the lease ttl is {lease_ttl_ms / 1000:g} s)": (
-            f"{max(delays):.2f}" if delays else "-"
-        ),
+        "partitions / members": f"{partitions} partitions, 3 members (member-0 killed)",
+        "lost member's partitions": ", ".join(map(str, sorted(victim_partitions))) or "-",
+        "takeover after (s)": f"{max(delays):.2f}" if delays else "-",
         "messages handled at least once": f"{len(expected & ended_set):,}/{len(expected):,}",
         "handled again after the loss (at-least-once)": starts - len(ended_set & expected),
         "per-key order violations": order_violations,
@@ -285,20 +285,43 @@ def spark_audit(url: str | None, namespace: str) -> bool | None:
     return clean
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(url: str | None, *, messages: int = 20_000, keys: int = 200) -> int:
+    """The demo on url (else REDIS_URL, else the embedded server), in a namespace of its own
+    that is removed at the end, whatever happens: the demo leaves nothing on the server."""
     namespace = f"demo-{uuid.uuid4().hex[:8]}"
-    url = args.url
+    broker = redisq.connect(url, namespace=namespace)  # the embedded server's notice, if used
+    print(f"redisq demo on {broker!r} (namespace {namespace}, removed at the end)")
+    broker.close()
     # The retries are the point of the demo: it counts them instead of logging each one.
     logging.getLogger("redisq").setLevel(logging.ERROR)
-    broker = redisq.connect(url, namespace=namespace)
-    print(f"redisq demo on {broker!r}")
-    broker.close()
+    try:
+        ok = _run_steps(url, namespace, messages, keys)
+    finally:
+        _drop_namespace(url, namespace)
+    print("\nverdict:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
 
+
+def _drop_namespace(url: str | None, namespace: str) -> None:
+    """Every key of the demo's namespace (topics, groups, producer registrations, worker ids),
+    on every node of a cluster."""
+    cleanup = redisq.connect(url, namespace=namespace)
+    try:
+        for topic in cleanup.list_topics():
+            cleanup.delete_topic(topic, force=True)  # member-0 was killed, not closed
+        doomed = list(cleanup.client.scan_iter(match=cleanup.keys.pattern(), count=1000))
+        for key in doomed:  # one by one: on a cluster the keys sit in many slots
+            cleanup.client.delete(key)
+    finally:
+        cleanup.close()
+
+
+def _run_steps(url: str | None, namespace: str, messages: int, keys: int) -> bool:
     print(
-        f"\n1. {args.messages:,} messages for {args.keys} keys, idempotent producer, "
-        "connections killed every 50 ms"
+        f"\n1. {messages:,} messages for {keys} keys to {TOPIC} ({PARTITIONS} partitions), "
+        "idempotent producer, connections killed every 50 ms"
     )
-    produced = produce_with_chaos(url, namespace, args.messages, args.keys)
+    produced = produce_with_chaos(url, namespace, messages, keys)
     print(
         f"  {produced['acked']:,}/{produced['sent']:,} acknowledged; the chaos thread killed "
         f"{produced['kills']} producer connections; {produced['retried_as_duplicate']} messages "
@@ -323,13 +346,22 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     ok = ok and same == 100 and total == 100
 
+    ttl_s = LEASE_TTL_MS / 1000
     print(
-        "\n4. an orderly consumer group of 3 members reads the topic; one member is lost "
-        "mid-way (lease ttl 2 s)"
+        f"\n4. an orderly consumer group of 3 members reads the {PARTITIONS} partitions (lease "
+        f"ttl {ttl_s:g} s); member-0, a process of its own, is killed with SIGKILL mid-way"
     )
-    consumed = consume_with_lost_member(resolve_url(url)[0], namespace, produced["per_key"])
+    consumed = consume_with_lost_member(
+        resolve_url(url)[0], namespace, produced["per_key"], LEASE_TTL_MS
+    )
     consumed_ok = consumed.pop("_ok")
     print_table(list(consumed.items()), ["check", "value"])
+    print(
+        "  takeover: from the kill until another member handled the lost partitions. A killed "
+        "member\n  never releases its leases, so the others wait for them to expire: up to the "
+        f"lease ttl ({ttl_s:g} s)\n  plus one heartbeat ({min(LEASE_TTL_MS // 3, 3000) / 1000:g} "
+        "s). A member that closes hands over at once."
+    )
     print(
         "  per-key order held and every message handled at least once"
         if consumed_ok
@@ -342,10 +374,4 @@ def run_demo(args: argparse.Namespace) -> int:
     audit = spark_audit(url, namespace)
     if audit is not None:
         ok = ok and audit
-
-    cleanup = redisq.connect(url, namespace=namespace)
-    for topic in cleanup.list_topics():
-        cleanup.delete_topic(topic, force=True)  # member-0 was killed, not closed
-    cleanup.close()
-    print("\nverdict:", "OK" if ok else "FAILED")
-    return 0 if ok else 1
+    return ok

@@ -1,0 +1,5 @@
+import sys
+
+from redisq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,395 @@
+"""`redisq group list|describe|delete|reset-offsets` and `redisq dlq list|replay|release`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import click
+import redis
+
+from redisq.cli.common import (
+    FAILED,
+    OK,
+    age,
+    connect,
+    connection_options,
+    print_table,
+    say,
+    warn,
+)
+from redisq.errors import GroupNotFound, RedisqError, TopicNotFound
+from redisq.group import (
+    GroupInUse,
+    delete_group,
+    describe_group,
+    group_exists,
+    list_groups,
+    reset_offsets,
+)
+from redisq.keys import dead_letter_topic
+
+if TYPE_CHECKING:
+    from redisq.broker import Broker
+
+
+def show(raw: bytes | None, limit: int | None = None) -> str:
+    """Bytes for a table cell: UTF-8 text (escaped to one line), else hex; "-" for none."""
+    from redisq.cli.messages import escape
+
+    if raw is None:
+        return "-"
+    try:
+        raw.decode()
+        text = escape(raw)
+    except UnicodeDecodeError:
+        text = "0x" + raw.hex()
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
+
+
+@click.group("group")
+def group() -> None:
+    """Consumer groups: list, describe, delete, reset offsets."""
+
+
+@group.command("list")
+@click.argument("topic", required=False)
+@connection_options
+def list_command(topic: str | None) -> int:
+    """Groups (of TOPIC, or of every topic) with members, lag and pending."""
+    with connect() as broker:
+        rows = []
+        for name, group_name in list_groups(broker, topic):
+            d = describe_group(broker, name, group_name)
+            lag = d.total_lag
+            rows.append(
+                (
+                    name,
+                    group_name,
+                    d.mode,
+                    len(d.members),
+                    "?" if lag is None else lag,
+                    d.total_pending,
+                    d.dead_letter_messages,
+                )
+            )
+    print_table(rows, ["topic", "group", "mode", "members", "lag", "pending", "dead letters"])
+    return OK
+
+
+@group.command("describe")
+@click.argument("topic")
+@click.argument("group_name", metavar="GROUP")
+@connection_options
+def describe(topic: str, group_name: str) -> int:
+    """Members of GROUP on TOPIC; per partition: owner, lease, lag, pending, position, dead
+    letters, parked keys, held messages, malformed entries and a blocked (poison) message."""
+    with connect() as broker:
+        d = describe_group(broker, topic, group_name)
+    say(
+        f"group {d.group} on {d.topic}: mode={d.mode}, start={d.start}, policy={d.policy}, "
+        f"{len(d.members)} members, lag {'?' if d.total_lag is None else d.total_lag}, "
+        f"{d.total_held} held, {d.total_malformed} malformed, dead letters: "
+        f"{d.dead_letter_messages} in {d.dead_letter_topic or '-'}"
+    )
+    print_table(
+        [(m.name, age(m.last_heartbeat_age_ms)) for m in d.members],
+        ["member", "last heartbeat"],
+    )
+    rows = []
+    for p in d.partitions:
+        poison = ""
+        if p.blocked_offset:
+            poison = f"BLOCKED at {p.blocked_offset} ({p.blocked_attempts}x): {p.blocked_error}"
+        rows.append(
+            (
+                p.partition,
+                p.owner or "-",
+                "-" if p.lease_token is None else p.lease_token,
+                age(p.lease_age_ms),
+                "?" if p.lag is None else p.lag,
+                p.pending,
+                p.last_delivered or "-",
+                p.dead_letters,
+                p.malformed,
+                p.parked_keys,
+                p.held,
+                poison,
+            )
+        )
+    print_table(
+        rows,
+        [
+            "partition",
+            "owner",
+            "token",
+            "lease age",
+            "lag",
+            "pending",
+            "position",
+            "dead letters",
+            "malformed",
+            "parked keys",
+            "held",
+            "poison",
+        ],
+    )
+    return OK
+
+
+@group.command("delete")
+@click.argument("topic")
+@click.argument("group_name", metavar="GROUP")
+@click.option("--force", is_flag=True, help="Delete even while the group has live members.")
+@click.option("--keep-dead-letters", is_flag=True, help="Keep the group's dead-letter topic.")
+@connection_options
+def delete(topic: str, group_name: str, force: bool, keep_dead_letters: bool) -> int:
+    """Delete GROUP of TOPIC and everything it owns (positions, pending entries, leases, parked
+    keys, its dead-letter topic)."""
+    with connect() as broker:
+        try:
+            delete_group(
+                broker, topic, group_name, force=force, keep_dead_letters=keep_dead_letters
+            )
+        except GroupInUse as exc:
+            warn(f"redisq: GroupInUse: {exc}; or use --force")
+            return FAILED
+    say(f"deleted group {group_name} of {topic}")
+    return OK
+
+
+def _parse_datetime(value: str) -> datetime:
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: expected an ISO 8601 date-time, e.g. 2026-01-31T12:00:00 (local time) "
+            "or 2026-01-31T12:00:00+00:00",
+            param_hint="--to-datetime",
+        ) from None
+
+
+@group.command("reset-offsets")
+@click.argument("group_name", metavar="GROUP")
+@click.argument("topic")
+@click.option("--to-earliest", is_flag=True, help="Read every retained message again.")
+@click.option("--to-latest", is_flag=True, help="Skip to the end of every partition.")
+@click.option(
+    "--to-datetime",
+    metavar="ISO",
+    help="Read from the first message appended at or after this time (ISO 8601; without a "
+    "zone: local time).",
+)
+@click.option("--to-offset", metavar="ID", help="Read from this offset (stream ID <ms>-<seq>) on.")
+@click.option(
+    "--shift-by",
+    type=int,
+    metavar="N",
+    help="Move by N messages: +N skips N, -N reads the last N handled again.",
+)
+@click.option(
+    "--partition",
+    "partitions",
+    type=click.IntRange(min=0),
+    multiple=True,
+    help="Only this partition (repeatable; default: all).",
+)
+@click.option("--dry-run", is_flag=True, help="Show what would change, change nothing.")
+@connection_options
+def reset(
+    group_name: str,
+    topic: str,
+    to_earliest: bool,
+    to_latest: bool,
+    to_datetime: str | None,
+    to_offset: str | None,
+    shift_by: int | None,
+    partitions: tuple[int, ...],
+    dry_run: bool,
+) -> int:
+    """Move the committed position of GROUP on TOPIC (as kafka-consumer-groups
+    --reset-offsets). Refused while the group has live members. The new position is the
+    whole truth: a concurrent group's pending entries are dropped (those after it are
+    delivered again)."""
+    chosen = [to_earliest, to_latest, to_datetime, to_offset, shift_by]
+    if sum(1 for c in chosen if c not in (None, False)) != 1:
+        raise click.UsageError(
+            "choose one of --to-earliest, --to-latest, --to-datetime, --to-offset, --shift-by"
+        )
+    when = _parse_datetime(to_datetime) if to_datetime is not None else None
+    with connect() as broker:
+        try:
+            results = reset_offsets(
+                broker,
+                topic,
+                group_name,
+                to_earliest=to_earliest,
+                to_latest=to_latest,
+                to_datetime=when,
+                to_offset=to_offset,
+                shift_by=shift_by,
+                partitions=list(partitions) or None,
+                dry_run=dry_run,
+            )
+        except (GroupNotFound, TopicNotFound):
+            if group_exists_swapped(broker, group_name, topic):
+                raise click.UsageError(
+                    f"the arguments are GROUP TOPIC: reset-offsets {topic} {group_name}"
+                ) from None
+            raise
+        except GroupInUse as exc:
+            warn(f"redisq: GroupInUse: {exc}")
+            return FAILED
+    print_table(
+        [
+            (
+                r.partition,
+                "-" if r.before is None else r.before,
+                r.after,
+                "?" if r.lag_before is None else r.lag_before,
+                "?" if r.lag_after is None else r.lag_after,
+                r.pending_dropped,
+            )
+            for r in results
+        ],
+        [
+            "partition",
+            "position before",
+            "position after",
+            "lag before",
+            "lag after",
+            "pending dropped",
+        ],
+    )
+    say(
+        f"dry run: nothing changed in group {group_name} of {topic}"
+        if dry_run
+        else f"reset group {group_name} of {topic} on {len(results)} partition(s)"
+    )
+    return OK
+
+
+def group_exists_swapped(broker: Broker, group_name: str, topic: str) -> bool:
+    """Whether TOPIC GROUP was meant (a group named like the topic argument exists)."""
+    try:
+        return group_exists(broker, group_name, topic)
+    except (RedisqError, redis.RedisError):
+        return False
+
+
+# -- dead letters --------------------------------------------------------------------------------
+def _require_dead_letters(broker: Broker, topic: str, group_name: str) -> None:
+    """TopicNotFound / GroupNotFound, unless the group's dead-letter topic exists (it may
+    outlive its group: group delete --keep-dead-letters)."""
+    broker.topic_config(topic, refresh=True)
+    if group_exists(broker, topic, group_name):
+        return
+    try:
+        broker.topic_config(dead_letter_topic(topic, group_name), refresh=True)
+    except TopicNotFound:
+        raise GroupNotFound(topic, group_name) from None
+
+
+@click.group("dlq")
+def dlq() -> None:
+    """Dead letters: list, replay, release a parked key."""
+
+
+@dlq.command("list")
+@click.argument("topic")
+@click.argument("group_name", metavar="GROUP")
+@click.option("--max", "limit", type=click.IntRange(min=1), help="Show at most this many.")
+@connection_options
+def dlq_list(topic: str, group_name: str, limit: int | None) -> int:
+    """The dead letters of GROUP on TOPIC, oldest first."""
+    from redisq.deadletter import list_dead_letters
+
+    with connect() as broker:
+        _require_dead_letters(broker, topic, group_name)
+        letters = list_dead_letters(broker, topic, group_name, count=limit)
+    rows = [
+        (
+            d.message.offset,
+            f"{d.partition}@{d.offset}",
+            show(d.message.key, 40),
+            d.attempts,
+            show(d.error.encode(), 80),
+            show(d.message.value, 40),
+        )
+        for d in letters
+    ]
+    print_table(rows, ["dlq offset", "from", "key", "attempts", "error", "value"])
+    return OK
+
+
+@dlq.command("replay")
+@click.argument("topic")
+@click.argument("group_name", metavar="GROUP")
+@click.option("--all", "everything", is_flag=True, help="Replay every dead letter.")
+@click.option(
+    "--offset", "offsets", multiple=True, help="A dead-letter offset to replay (repeatable)."
+)
+@click.option("--key", help="Replay the dead letters of this key.")
+@click.option("--to", "to_topic", help="Send them to this topic instead of where each came from.")
+@connection_options
+def dlq_replay(
+    topic: str,
+    group_name: str,
+    everything: bool,
+    offsets: tuple[str, ...],
+    key: str | None,
+    to_topic: str | None,
+) -> int:
+    """Send dead letters of GROUP on TOPIC back to the topic each came from (or --to), then
+    drop them from the dead-letter topic."""
+    from redisq.deadletter import list_dead_letters, replay_dead_letters
+
+    if not everything and not offsets and key is None:
+        raise click.UsageError("dlq replay needs --all, --offset or --key")
+    raw_key = key.encode() if key is not None else None
+    with connect() as broker:
+        _require_dead_letters(broker, topic, group_name)
+        if to_topic is not None:
+            broker.topic_config(to_topic, refresh=True)
+        chosen = [
+            d
+            for d in list_dead_letters(broker, topic, group_name)
+            if (not offsets or d.message.offset in offsets)
+            and (raw_key is None or d.message.key == raw_key)
+        ]
+        count = 0
+        if chosen:
+            count = replay_dead_letters(
+                broker,
+                topic,
+                group_name,
+                offsets=[d.message.offset for d in chosen],
+                key=raw_key,
+                to_topic=to_topic,
+            )
+    targets: dict[str, int] = {}
+    for d in chosen:
+        target = to_topic or d.topic or topic
+        targets[target] = targets.get(target, 0) + 1
+    where = ", ".join(f"{n} to {t}" for t, n in sorted(targets.items()))
+    say(f"replayed {count} dead letters" + (f": {where}" if where else ""))
+    return OK
+
+
+@dlq.command("release")
+@click.argument("topic")
+@click.argument("group_name", metavar="GROUP")
+@click.argument("key")
+@connection_options
+def dlq_release(topic: str, group_name: str, key: str) -> int:
+    """Release KEY, parked by failure_policy=park_key in GROUP on TOPIC: its held messages go
+    on."""
+    from redisq.deadletter import release_key
+
+    with connect() as broker:
+        broker.topic_config(topic, refresh=True)
+        if not group_exists(broker, topic, group_name):
+            raise GroupNotFound(topic, group_name)
+        count = release_key(broker, topic, group_name, key)
+    say(f"released key {key!r} on {count} partition(s)")
+    return OK

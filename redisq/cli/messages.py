@@ -1,0 +1,442 @@
+"""`redisq produce` and `redisq consume`: lines in, one message per line out."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import click
+
+from redisq.cli.common import FAILED, OK, Progress, connect, connection_options, out, warn
+from redisq.records import Message
+
+POLL_MAX = 10_000  # messages per poll() (the consumer takes at most 100,000 per call)
+
+# What would break "one message per line" or make the text ambiguous: the escape character,
+# C0 and C1 controls (newlines, tabs, NEL), Unicode line/paragraph separators, and the
+# surrogates that stand for bytes that are not UTF-8.
+_ESCAPED = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\udc80-\udcff]")
+_SHORT = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    ch = match.group()
+    if ch in _SHORT:
+        return _SHORT[ch]
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape(raw: bytes) -> str:
+    """Text for one field of one line: UTF-8 as it is; backslash, tab, newlines and other
+    control or line-separating characters escaped (\\\\, \\t, \\n, \\r, \\xNN, \\uNNNN); bytes that
+    are not UTF-8 as \\xNN. Unescaping gives the bytes back."""
+    return _ESCAPED.sub(_escape_char, raw.decode("utf-8", errors="surrogateescape"))
+
+
+def _json_bytes(raw: bytes | None) -> Any:
+    """A JSON value for bytes: the string when it is UTF-8, else {"base64": "..."}."""
+    if raw is None:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(raw).decode()}
+
+
+class Formatter:
+    """One line per message (kafka-console-consumer's print.* properties):
+    text  [Timestamp:ms] [Partition:p] [Offset:id] [headers] [key] value, tab-separated;
+          headers as name=value,... (NO_HEADERS), a missing key as null, fields escaped
+    hex   the same with key, header values and value in hex
+    json  one object per line with every field (bytes: a string if UTF-8, else
+          {"base64": ...}); the --print-* options do not apply."""
+
+    def __init__(
+        self,
+        fmt: str = "text",
+        *,
+        key: bool = False,
+        headers: bool = False,
+        timestamp: bool = False,
+        partition: bool = False,
+        offset: bool = False,
+    ) -> None:
+        self.fmt = fmt
+        self.key = key
+        self.headers = headers
+        self.timestamp = timestamp
+        self.partition = partition
+        self.offset = offset
+        self._bytes = (lambda raw: raw.hex()) if fmt == "hex" else escape
+
+    def line(self, message: Message) -> str:
+        if self.fmt == "json":
+            return self._json(message)
+        fields = []
+        if self.timestamp:
+            fields.append(f"Timestamp:{message.timestamp_ms}")
+        if self.partition:
+            fields.append(f"Partition:{message.partition}")
+        if self.offset:
+            fields.append(f"Offset:{message.offset}")
+        if self.headers:
+            fields.append(
+                ",".join(
+                    f"{escape(k.encode())}={self._bytes(v)}" for k, v in message.headers.items()
+                )
+                or "NO_HEADERS"
+            )
+        if self.key:
+            fields.append("null" if message.key is None else self._bytes(message.key))
+        fields.append(self._bytes(message.value))
+        return "\t".join(fields)
+
+    @staticmethod
+    def _json(message: Message) -> str:
+        record = {
+            "topic": message.topic,
+            "partition": message.partition,
+            "offset": message.offset,
+            "timestamp_ms": message.timestamp_ms,
+            "key": _json_bytes(message.key),
+            "headers": {k: _json_bytes(v) for k, v in message.headers.items()},
+            "value": _json_bytes(message.value),
+        }
+        text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        # JSON lets U+2028/U+2029 stand unescaped; line-splitting readers would cut there.
+        return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+# -- produce -------------------------------------------------------------------------------------
+def _parse_headers(values: Iterable[str]) -> dict[str, str]:
+    headers = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{item!r}: expected NAME=VALUE", param_hint="--header")
+        headers[name] = value
+    return headers
+
+
+def _lines(source: IO[bytes]) -> Iterator[bytes]:
+    for line in source:
+        yield line.rstrip(b"\r\n")
+
+
+@click.command("produce")
+@click.argument("topic")
+@click.option(
+    "--file",
+    "-f",
+    "path",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="Read the lines from this file (default: stdin).",
+)
+@click.option(
+    "--key-separator",
+    metavar="SEP",
+    help="Split each line at the first SEP into key and value (kafka-console-producer's "
+    "parse.key); a line without SEP is an error.",
+)
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A header on every message (repeatable).",
+)
+@click.option(
+    "--idempotence",
+    type=click.Choice(["sequence", "message_id", "none"]),
+    default="sequence",
+    show_default=True,
+    help="Producer idempotence mode.",
+)
+@click.option(
+    "--acks",
+    type=click.Choice(["leader", "replicas", "fsync"]),
+    default="leader",
+    show_default=True,
+    help="When a message counts as written.",
+)
+@click.option("--producer-name", help="Name the producer (fences older instances of it).")
+@click.option("--progress", is_flag=True, help="Show progress even when stderr is not a tty.")
+@connection_options
+def produce(
+    topic: str,
+    path: str | None,
+    key_separator: str | None,
+    headers: tuple[str, ...],
+    idempotence: str,
+    acks: str,
+    producer_name: str | None,
+    progress: bool,
+) -> int:
+    """Send lines from stdin (or --file) to TOPIC, one message per line."""
+    separator = key_separator.encode() if key_separator else None
+    static_headers = _parse_headers(headers)
+    total = None
+    if path and path != "-":
+        with open(path, "rb") as counting:
+            total = sum(1 for _ in counting)
+    with connect() as broker:
+        broker.topic_config(topic, refresh=True)  # TopicNotFound before reading anything
+        source: IO[bytes] = open(path, "rb") if path and path != "-" else sys.stdin.buffer  # noqa: SIM115
+        meter = Progress(f"produce {topic}", total, force=progress)
+        failed = duplicates = 0
+        try:
+            with broker.producer(
+                name=producer_name,
+                idempotence=None if idempotence == "none" else idempotence,
+                acks=acks,
+            ) as producer:
+                futures: list[Any] = []
+                for number, line in enumerate(_lines(source), 1):
+                    meter.update()
+                    key, value = None, line
+                    if separator is not None:
+                        if separator not in line:
+                            failed += 1
+                            warn(f"redisq: line {number}: no key separator {key_separator!r}")
+                            continue
+                        key, value = line.split(separator, 1)
+                    futures.append(
+                        producer.send_async(
+                            topic, value, key=key or None, headers=static_headers or None
+                        )
+                    )
+                    if len(futures) >= 10_000:
+                        failed, duplicates = _settle(futures, failed, duplicates)
+                producer.flush()
+                failed, duplicates = _settle(futures, failed, duplicates)
+        finally:
+            if source is not sys.stdin.buffer:
+                source.close()
+            meter.close()
+    written = meter.count - failed - duplicates
+    warn(f"{written:,} written, {duplicates:,} duplicates skipped, {failed:,} failed")
+    return FAILED if failed else OK
+
+
+def _settle(futures: list[Any], failed: int, duplicates: int) -> tuple[int, int]:
+    for future in futures:
+        error = future.exception()
+        if error is not None:
+            failed += 1
+            warn(f"redisq: {type(error).__name__}: {error}")
+        elif future.result().duplicate:
+            duplicates += 1
+    futures.clear()
+    return failed, duplicates
+
+
+# -- consume -------------------------------------------------------------------------------------
+class StopRequest:
+    """SIGINT, SIGTERM and SIGHUP ask for a clean stop (the consumer leaves its group, a
+    temporary group is deleted) instead of killing the process mid-way."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    @contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+
+        def request(signum: int, frame: object) -> None:
+            self.signal = signum
+            self.event.set()
+
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {signum: signal.signal(signum, request) for signum in signals}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+@click.command("consume")
+@click.argument("topic")
+@click.option(
+    "--group",
+    help="Consume as a member of this group (acks what it prints); default: a temporary "
+    "group console-<random>, deleted afterwards (as Kafka's console consumer does).",
+)
+@click.option("--name", help="Member name (default: host-pid-random).")
+@click.option(
+    "--mode",
+    type=click.Choice(["orderly", "concurrent"]),
+    default="orderly",
+    show_default=True,
+    help="Group mode of a new group.",
+)
+@click.option(
+    "--from",
+    "from_position",
+    type=click.Choice(["earliest", "latest"]),
+    default="earliest",
+    show_default=True,
+    help="Where a new group starts.",
+)
+@click.option(
+    "--partition",
+    type=click.IntRange(min=0),
+    help="Browse one partition without a group (reads only, changes nothing).",
+)
+@click.option(
+    "--start",
+    metavar="OFFSET",
+    help="Browse from this offset (stream ID) without a group (reads only).",
+)
+@click.option(
+    "--max",
+    "max_messages",
+    type=click.IntRange(min=1),
+    help="Stop after this many messages (any number).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    help="Stop after this many seconds without a message.",
+)
+@click.option("--print-key", is_flag=True, help="Print the key (null when none).")
+@click.option("--print-headers", is_flag=True, help="Print the headers (name=value,...).")
+@click.option("--print-timestamp", is_flag=True, help="Print the timestamp (ms).")
+@click.option("--print-partition", is_flag=True, help="Print the partition.")
+@click.option("--print-offset", is_flag=True, help="Print the offset (stream ID).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json", "hex"]),
+    default="text",
+    show_default=True,
+    help="text: escaped so that each message is one line; hex: bytes as hex; json: one "
+    "object per line with every field.",
+)
+@connection_options
+def consume(
+    topic: str,
+    group: str | None,
+    name: str | None,
+    mode: str,
+    from_position: str,
+    partition: int | None,
+    start: str | None,
+    max_messages: int | None,
+    timeout: float | None,
+    print_key: bool,
+    print_headers: bool,
+    print_timestamp: bool,
+    print_partition: bool,
+    print_offset: bool,
+    fmt: str,
+) -> int:
+    """Print TOPIC's messages, one per line, as a consumer-group member, or browse them
+    (--partition, --start) without a group."""
+    formatter = Formatter(
+        fmt,
+        key=print_key,
+        headers=print_headers,
+        timestamp=print_timestamp,
+        partition=print_partition,
+        offset=print_offset,
+    )
+    if partition is not None or start is not None:
+        if group is not None:
+            raise click.UsageError("--partition and --start browse without a group: drop --group")
+        return _browse(topic, partition, start, max_messages, formatter)
+    with StopRequest().installed() as stop:
+        count = _consume_group(
+            topic, group, name, mode, from_position, max_messages, timeout, formatter, stop
+        )
+    warn(f"Processed a total of {count:,} messages")
+    return OK
+
+
+def _browse(
+    topic: str, partition: int | None, start: str | None, limit: int | None, formatter: Formatter
+) -> int:
+    stream = out()
+    with connect() as broker:
+        config = broker.topic_config(topic, refresh=True)
+        partitions = [partition] if partition is not None else list(range(config.partitions))
+        printed = 0
+        for p in partitions:
+            for message in broker.read(topic, p, start=start or "-"):
+                if stream is not None:
+                    stream.write(formatter.line(message) + "\n")
+                printed += 1
+                if limit is not None and printed >= limit:
+                    return OK
+    return OK
+
+
+def _consume_group(
+    topic: str,
+    group: str | None,
+    name: str | None,
+    mode: str,
+    from_position: str,
+    limit: int | None,
+    timeout: float | None,
+    formatter: Formatter,
+    stop: StopRequest,
+) -> int:
+    temporary = group is None
+    group = group or f"console-{uuid.uuid4().hex[:8]}"
+    printed = 0
+    stream = out()
+    with connect() as broker:
+        broker.topic_config(topic, refresh=True)  # TopicNotFound before a group is made
+        try:
+            with broker.consumer(topic, group, name, mode=mode, start=from_position) as consumer:
+                idle_since = time.monotonic()
+                while not stop.requested and (limit is None or printed < limit):
+                    room = POLL_MAX if limit is None else min(POLL_MAX, limit - printed)
+                    messages = consumer.poll(timeout=0.5, max_messages=room)
+                    if messages:
+                        if stream is not None:
+                            stream.write("".join(formatter.line(m) + "\n" for m in messages))
+                            stream.flush()
+                        consumer.ack(messages)
+                        printed += len(messages)
+                        idle_since = time.monotonic()
+                    elif timeout is not None and time.monotonic() - idle_since >= timeout:
+                        break
+        finally:
+            if temporary:
+                _delete_temporary(broker, topic, group)
+    return printed
+
+
+def _delete_temporary(broker: Any, topic: str, group: str) -> None:
+    """Nothing of a console group is left (positions, dead letters, settings)."""
+    import redis
+
+    from redisq.errors import RedisqError
+    from redisq.group import delete_group, group_exists
+
+    try:
+        if group_exists(broker, topic, group):
+            delete_group(broker, topic, group, force=True)
+    except (RedisqError, redis.RedisError) as exc:
+        warn(f"redisq: could not delete the temporary group {group}: {exc}")

@@ -1,0 +1,141 @@
+"""`redisq topic create|describe|list|add-partitions|trim|delete`."""
+
+from __future__ import annotations
+
+import click
+
+from redisq.cli.common import FAILED, OK, connect, connection_options, print_table, say, warn
+from redisq.errors import TopicInUse
+
+
+@click.group("topic")
+def topic() -> None:
+    """Create, describe, list, grow, trim and delete topics."""
+
+
+@topic.command("create")
+@click.argument("name")
+@click.option(
+    "--partitions", type=click.IntRange(min=1), default=1, show_default=True, help="Partitions."
+)
+@click.option(
+    "--retention-ms", type=click.IntRange(min=0), default=0, help="Trim by age (0: keep)."
+)
+@click.option(
+    "--retention-messages",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Trim by count per partition (0: keep).",
+)
+@click.option(
+    "--dedup-window-ms",
+    type=click.IntRange(min=1000),
+    help="How long message ids are remembered (default: the retention age, else 24 h).",
+)
+@click.option("--exist-ok", is_flag=True, help="An existing topic is not an error.")
+@connection_options
+def create(
+    name: str,
+    partitions: int,
+    retention_ms: int,
+    retention_messages: int,
+    dedup_window_ms: int | None,
+    exist_ok: bool,
+) -> int:
+    """Create topic NAME."""
+    with connect() as broker:
+        config = broker.create_topic(
+            name,
+            partitions=partitions,
+            retention_ms=retention_ms,
+            retention_messages=retention_messages,
+            dedup_window_ms=dedup_window_ms,
+            exist_ok=exist_ok,
+        )
+    say(f"topic {config.name}: {config.partitions} partitions")
+    return OK
+
+
+@topic.command("describe")
+@click.argument("name")
+@connection_options
+def describe(name: str) -> int:
+    """Partitions of topic NAME: lengths, first and last offsets (and nodes of a cluster)."""
+    with connect() as broker:
+        description = broker.describe_topic(name)
+        cluster = broker.is_cluster
+    c = description.config
+    say(
+        f"topic {c.name} (id {c.topic_id}): {c.partitions} partitions, "
+        f"retention_ms={c.retention_ms or 'none'}, "
+        f"retention_messages={c.retention_messages or 'none'}, "
+        f"dedup_window_ms={c.dedup_window_ms}, {description.total_messages:,} messages"
+    )
+    rows = [
+        (p.partition, p.length, p.first_offset, p.last_offset) + ((p.node,) if cluster else ())
+        for p in description.partitions
+    ]
+    headers = ["partition", "length", "first offset", "last offset"] + (["node"] if cluster else [])
+    print_table(rows, headers)
+    return OK
+
+
+@topic.command("list")
+@connection_options
+def list_topics() -> int:
+    """Topic names, one per line (dead-letter topics too: <topic>~dlq~<group>)."""
+    with connect() as broker:
+        names = broker.list_topics()
+    for name in names:
+        say(name)
+    return OK
+
+
+@topic.command("add-partitions")
+@click.argument("name")
+@click.option(
+    "--partitions",
+    type=click.IntRange(min=1),
+    required=True,
+    help="The new partition count (grow only).",
+)
+@connection_options
+def add_partitions(name: str, partitions: int) -> int:
+    """Grow topic NAME to --partitions partitions (keys then route differently)."""
+    with connect() as broker:
+        config = broker.add_partitions(name, partitions)
+    say(f"topic {config.name}: {config.partitions} partitions (keys now route differently)")
+    return OK
+
+
+@topic.command("trim")
+@click.argument("name")
+@connection_options
+def trim(name: str) -> int:
+    """Apply topic NAME's retention to every partition now."""
+    with connect() as broker:
+        removed = broker.trim(name)
+    say(f"topic {name}: {removed:,} entries past retention removed")
+    return OK
+
+
+@topic.command("delete")
+@click.argument("name")
+@click.option(
+    "--force", is_flag=True, help="Delete even while a group of the topic has live members."
+)
+@connection_options
+def delete(name: str, force: bool) -> int:
+    """Delete topic NAME and everything it owns (groups, positions, dead-letter topics)."""
+    with connect() as broker:
+        try:
+            broker.delete_topic(name, force=force)
+        except TopicInUse as exc:
+            shown = ", ".join(exc.members[:5]) + (" ..." if len(exc.members) > 5 else "")
+            warn(
+                f"redisq: TopicInUse: group {exc.group!r} of topic {name!r} has live members "
+                f"({shown}): stop them, or use --force"
+            )
+            return FAILED
+    say(f"deleted topic {name}")
+    return OK
