@@ -43,8 +43,15 @@ def add_audit_parser(
 
 
 def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | None = None) -> int:
-    """0: done (order: clean), 1: the ordering audit found faults, 2: cannot run."""
+    """0: done (order: clean), 1: the ordering audit found faults, 2: could not run (no Spark,
+    Spark failed). The server, the topic and the group are checked before Spark starts: an
+    unreachable server, TopicNotFound and GroupNotFound are raised (the command line turns
+    them into exit 2, 3 and 3)."""
     out = out or sys.stdout
+    from redisq.connection import resolve_url
+
+    url, _embedded = resolve_url(args.url)  # the embedded server logs its own notice
+    _check_before_spark(url, args.namespace, args.topic, args.group)
     try:
         import pyspark  # noqa: F401
 
@@ -56,11 +63,35 @@ def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | 
             file=sys.stderr,
         )
         return 2
-    from redisq.connection import resolve_url
+    try:
+        return _run_job(args, url, get_session, jobs, print_table, out)
+    except Exception as exc:  # no JVM, a failed job: one line, not a Java stack trace
+        detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(f"redisq audit: Spark failed: {type(exc).__name__}: {detail}", file=sys.stderr)
+        return 2
 
-    url, embedded = resolve_url(args.url)
-    if embedded:
-        print("(no --url or REDIS_URL: auditing the embedded valkey-server)", file=sys.stderr)
+
+def _check_before_spark(url: str, namespace: str, topic: str, group: str | None) -> None:
+    """Seconds instead of the 20 s a Spark start takes: the server answers, the topic (and the
+    group) exist."""
+    import redisq
+    from redisq.errors import GroupNotFound
+    from redisq.group import group_exists
+
+    with redisq.connect(url, namespace=namespace) as broker:
+        broker.topic_config(topic, refresh=True)
+        if group is not None and not group_exists(broker, topic, group):
+            raise GroupNotFound(topic, group)
+
+
+def _run_job(
+    args: argparse.Namespace,
+    url: str,
+    get_session: Any,
+    jobs: Any,
+    print_table: PrintTable,
+    out: IO[str],
+) -> int:
     spark = get_session(args.master, config={"spark.ui.showConsoleProgress": "false"})
     spark.sparkContext.setLogLevel("ERROR")
     kind, topic = args.audit_kind, args.topic
@@ -95,7 +126,9 @@ def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | 
                 )
             print("\n" + result.verdict(topic), file=out)
             status = 0 if result.clean else 1
-            jobs.plot_audit(result.rows, plot, f"ordering audit of {topic}")
+            jobs.plot_audit(
+                result.rows, plot, f"ordering audit of {topic}", result.key_rows, result.id_rows
+            )
         elif kind == "skew":
             df = df.cache()
             rows = jobs.partition_skew(df).collect()

@@ -22,10 +22,11 @@ duplicate of sequence 0 looks the same). Within a run:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+# The charts of these jobs (spark_connector.plots), re-exported.
+from spark_connector.plots import plot_audit, plot_lag, plot_skew, plot_throughput  # noqa: F401
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -372,99 +373,3 @@ def demo_audit(url: str, namespace: str, topic: str) -> tuple[bool, str]:
     spark.sparkContext.setLogLevel("ERROR")
     result = run_ordering_audit(read_topic(spark, url, namespace, topic))
     return result.clean, result.verdict(topic)
-
-
-def plot_audit(rows: Sequence[Any], path: str | Path, title: str) -> Path:
-    """Bars of gaps, duplicates and out-of-order messages per partition."""
-    plt = _pyplot()
-    partitions = sorted({r.partition for r in rows})
-    sums = {
-        kind: [
-            sum(int(getattr(r, kind) or 0) for r in rows if r.partition == p) for p in partitions
-        ]
-        for kind in ("gaps", "duplicates", "out_of_order")
-    }
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.27
-    for i, (kind, values) in enumerate(sums.items()):
-        ax.bar([p + (i - 1) * width for p in partitions], values, width, label=kind)
-    ax.set_xlabel("partition")
-    ax.set_ylabel("messages")
-    ax.set_xticks(partitions)
-    ax.yaxis.get_major_locator().set_params(integer=True)
-    ax.set_title(title)
-    ax.legend()
-    return _save(fig, path)
-
-
-def plot_skew(rows: Sequence[Any], path: str | Path, title: str) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar([r.partition for r in rows], [r.messages for r in rows])
-    if rows:
-        mean = sum(r.messages for r in rows) / len(rows)
-        ax.axhline(mean, color="grey", linestyle="--", label=f"mean {mean:,.0f}")
-        ax.legend()
-    ax.set_xlabel("partition")
-    ax.set_ylabel("messages")
-    ax.set_title(title)
-    return _save(fig, path)
-
-
-def plot_throughput(rows: Sequence[Any], path: str | Path, title: str) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for p in sorted({r.partition for r in rows}):
-        series = [r for r in rows if r.partition == p]
-        ax.plot(
-            [r.bucket_start for r in series],
-            [r.messages_per_s for r in series],
-            marker=".",
-            label=f"partition {p}",
-        )
-    ax.set_ylabel("messages/s")
-    ax.set_title(title)
-    if rows:
-        ax.legend(fontsize="small")
-    fig.autofmt_xdate()
-    return _save(fig, path)
-
-
-def plot_lag(rows: Sequence[Any], path: str | Path, title: str) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    groups = sorted({r.group for r in rows})
-    width = 0.8 / max(len(groups), 1)
-    for i, g in enumerate(groups):
-        series = [r for r in rows if r.group == g]
-        ax.bar(
-            [r.partition + i * width for r in series],
-            [r.lag for r in series],
-            width,
-            label=f"{g} lag",
-        )
-    ax.set_xlabel("partition")
-    ax.set_ylabel("messages not yet delivered")
-    ax.set_title(title)
-    if groups:
-        ax.legend()
-    return _save(fig, path)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    target = Path(path)
-    fig.tight_layout()
-    fig.savefig(target, dpi=100)
-    plt.close(fig)
-    return target
