@@ -23,8 +23,12 @@ after that position has been handed to that many owners that never got past it (
 that crashes its process); the new owner starts its attempt count there, so the failure policy
 applies even to a message no handler survives.
 
-Returns {1, lease value, position, entries_read (-1: unknown), takeovers} if granted,
-        {0, current value} if another holder has it.
+A transaction of the previous owner may still carry a position for this partition
+(consume-transform-produce, tx_hold.lua): its id is answered, and the new owner resolves it
+before it reads.
+
+Returns {1, lease value, position, entries_read (-1: unknown), takeovers, pending transaction
+id or ""} if granted, {0, current value} if another holder has it.
 Error replies
   TOPIC_NOT_FOUND   the partition stream does not exist
 ]]
@@ -66,4 +70,5 @@ if #redis.call('XRANGE', KEYS[3], '(' .. position, '+', 'COUNT', 1) > 0 then
     redis.call('HSET', KEYS[4], 'takeover_position', position, 'takeovers', 0)
   end
 end
-return {1, value, position, entries_read, takeovers}
+local pending_tx = redis.call('HGET', KEYS[4], 'pending_tx') or ''
+return {1, value, position, entries_read, takeovers, pending_tx}

@@ -103,6 +103,14 @@ class UnknownProducer(RedisqError):
     retriable = True
 
 
+class TransactionDecided(RedisqError):
+    """A transaction was already committed, aborted or given up: its decision is final."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__(f"the transaction was already decided: {state}")
+        self.state = state
+
+
 class ProducerClosed(RedisqError):
     """send() after close(), or a message still buffered when the producer was closed."""
 
@@ -177,6 +185,8 @@ def from_reply(message: str, topic: str = "?") -> RedisqError | None:
     if message.startswith("OUT_OF_ORDER"):
         match = _OUT_OF_ORDER.search(message)
         return OutOfOrderSequence(int(match.group(1)) if match else -1)
+    if message.startswith("TX_DECIDED"):
+        return TransactionDecided(message.removeprefix("TX_DECIDED state=").strip())
     if message.startswith("UNKNOWN_PRODUCER"):
         return UnknownProducer(message.removeprefix("UNKNOWN_PRODUCER").strip())
     if message.startswith("PRODUCER_FENCED"):

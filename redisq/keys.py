@@ -182,6 +182,48 @@ class KeySpace:
         """HASH message key -> offset of the dead-lettered message that parked it."""
         return f"{self._partition(topic, partition)}:parked:{group}"
 
+    def scheduled(self, topic: str, partition: int) -> str:
+        """ZSET scheduled message id -> due time (ms, the server's clock): delayed messages."""
+        return f"{self._partition(topic, partition)}:schedule"
+
+    def scheduled_messages(self, topic: str, partition: int) -> str:
+        """HASH scheduled message id -> the message (its RESP-encoded arguments and layout)."""
+        return f"{self._partition(topic, partition)}:scheduled"
+
+    def scheduled_delivered(self, topic: str, partition: int) -> str:
+        """ZSET scheduled message id -> until when (ms) a re-sent copy must still be refused:
+        delivered ids whose sender may still retry (a delay shorter than its delivery timeout)."""
+        return f"{self._partition(topic, partition)}:delivered"
+
+    def scheduler_lease(self, topic: str, partition: int) -> str:
+        """STRING lease (token, PX ttl) of the client that delivers this partition's schedule."""
+        return f"{self._partition(topic, partition)}:schedlease"
+
+    # -- transactions (hash tag {~tx:<id>}: "~" never starts a topic name) ----------------------
+    def _transaction(self, tx_id: str) -> str:
+        return f"{self.namespace}:{{~tx:{tx_id}}}"
+
+    def transaction(self, tx_id: str) -> str:
+        """HASH: a transaction's record (state, producer, epoch, deadline, checks, input acks)."""
+        return f"{self._transaction(tx_id)}:record"
+
+    def transaction_messages(self, tx_id: str) -> str:
+        """LIST: the transaction's staged batches, in send order (invisible to consumers)."""
+        return f"{self._transaction(tx_id)}:messages"
+
+    def transactions(self) -> str:
+        """ZSET transaction id -> when to look at it next (ms): open and committed ones not yet
+        rolled forward; the sweeper and the check-back read it (tag {<ns>})."""
+        return f"{self._global}:transactions"
+
+    def transaction_group(self, group: str) -> str:
+        """ZSET transaction id -> next check-back (ms) of a transactional producer group."""
+        return f"{self._global}:txgroup:{group}"
+
+    def transaction_checker(self, group: str) -> str:
+        """STRING lease of the member of a transactional group that runs the check-back."""
+        return f"{self._global}:txcheck:{group}"
+
     def held_messages(self, topic: str, partition: int, group: str) -> str:
         """HASH offset -> message key: messages held back behind a parked key (orderly groups
         commit a position, so a held message is remembered here until its key is released)."""

@@ -98,6 +98,7 @@ class Grant:
     position: str
     entries_read: int | None
     takeovers: int = 0  # earlier grants that started at this same position
+    pending_tx: str | None = None  # a transaction of the previous owner carrying its position
 
 
 def acquire_lease(
@@ -115,6 +116,7 @@ def acquire_lease(
             text(reply[2]),
             entries_read if entries_read >= 0 else None,
             int(reply[4]),
+            text(reply[5]) or None if len(reply) > 5 else None,
         )
 
     return ScriptCall(
