@@ -24,11 +24,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 import redisq
 import redisq.asyncio as rq
 from redisq.records import Message
+from tests.servers import ServerProcess
 
-TEST_DEADLINE_S = 240.0
+TEST_DEADLINE_S = 120.0
 
 FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
 
@@ -38,9 +41,27 @@ def aio(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
 
     @functools.wraps(test)
     def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(asyncio.wait_for(test(*args, **kwargs), TEST_DEADLINE_S))
+        asyncio.run(_within_deadline(test(*args, **kwargs)))
 
     return run
+
+
+async def _within_deadline(body: Coroutine[Any, Any, None]) -> None:
+    """Run the test; past the deadline, fail with the stack of every task still running (a hang
+    shows where it is, instead of a bare TimeoutError from the cancelled test)."""
+    task = asyncio.ensure_future(body)
+    done, _ = await asyncio.wait([task], timeout=TEST_DEADLINE_S)
+    if done:
+        task.result()
+        return
+    stacks = [
+        f"{other.get_name()}: {_awaiting(other)}"
+        for other in asyncio.all_tasks()
+        if other is not asyncio.current_task()
+    ]
+    task.cancel()
+    await asyncio.wait([task], timeout=10)
+    raise AssertionError(f"still running after {TEST_DEADLINE_S:g} s; tasks:\n" + "\n".join(stacks))
 
 
 @dataclass
@@ -61,6 +82,19 @@ class Env:
             yield broker
         finally:
             await broker.close()
+
+
+def _awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a task waits: its chain of awaited coroutines, outermost first."""
+    where = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            name = frame.f_code.co_filename.rsplit("/", 2)[-1]
+            where.append(f"{name}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " -> ".join(where)
 
 
 async def wait_until(
@@ -174,6 +208,15 @@ class Recorder:
             return all(set(self.done.get(k, [])) >= set(range(per_key)) for k in range(keys))
 
 
+async def start_running(
+    consumer: rq.Consumer, handler: Callable[[Message], Any]
+) -> asyncio.Task[int]:
+    """consumer.run(handler) as a task, once the consumer joined its group (so the group exists
+    and a close() that comes early finds run() under way)."""
+    await consumer.start()
+    return asyncio.ensure_future(consumer.run(handler))
+
+
 async def run_until(
     consumer: rq.Consumer,
     handler: Callable[[Message], Any],
@@ -182,7 +225,7 @@ async def run_until(
     what: str = "",
 ) -> None:
     """consumer.run(handler) until predicate holds, then close the consumer."""
-    task = asyncio.ensure_future(consumer.run(handler))
+    task = await start_running(consumer, handler)
     try:
         await wait_until(lambda: task.done() or predicate(), timeout, what)
         if task.done():
@@ -191,6 +234,32 @@ async def run_until(
     finally:
         await consumer.close()
         await asyncio.wait_for(task, 30)
+
+
+class Killer(threading.Thread):
+    """CLIENT KILL TYPE normal SKIPME yes every `interval` seconds until stopped."""
+
+    def __init__(self, server: ServerProcess, interval: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.client = server.client(socket_timeout=5)
+        self.interval = interval
+        self.stopping = threading.Event()
+        self.killed = 0
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval):
+            try:
+                self.killed += int(
+                    self.client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                )
+            except redis.RedisError:
+                pass
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.is_alive():
+            self.join(timeout=10)
+        self.client.close()
 
 
 # -- a member that crashes for real --------------------------------------------------------------

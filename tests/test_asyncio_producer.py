@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import signal
-import threading
 import time
 import uuid
 import zlib
@@ -34,7 +33,7 @@ from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import UnknownProducer
 from redisq.protocol.produce import BatchResult, ProducerIdentity, encode_message, produce
 from redisq.topic import TopicConfig
-from tests.aio import Env, aio, read_all
+from tests.aio import Env, Killer, aio, read_all
 from tests.servers import ServerProcess, binary_for
 from tests.test_producer import _Batch
 from tests.test_topics import snapshot
@@ -524,32 +523,6 @@ def check_delivery(broker: redisq.Broker, sent: Sent) -> tuple[int, int]:
     return len(acked), failed
 
 
-class Killer(threading.Thread):
-    """CLIENT KILL TYPE normal SKIPME yes every `interval` seconds until stopped."""
-
-    def __init__(self, server: ServerProcess, interval: float = 0.02) -> None:
-        super().__init__(daemon=True)
-        self.client = server.client(socket_timeout=5)
-        self.interval = interval
-        self.stopping = threading.Event()
-        self.killed = 0
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.interval):
-            try:
-                self.killed += int(
-                    self.client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-                )
-            except redis.RedisError:
-                pass
-
-    def stop(self) -> None:
-        self.stopping.set()
-        if self.is_alive():
-            self.join(timeout=10)
-        self.client.close()
-
-
 def connection_losses(caplog: pytest.LogCaptureFixture) -> int:
     return sum(1 for r in caplog.records if "connection lost" in r.getMessage())
 
@@ -647,7 +620,7 @@ def test_client_kill_during_async_sends(
     stored once at its offset, each key in send order."""
     caplog.set_level(logging.WARNING, logger="redisq.asyncio.producer")
     server = ServerProcess(binary_for(kind)).start()
-    killer = Killer(server)
+    killer = Killer(server, interval=0.02)
     sent: Sent = []
 
     async def scenario() -> None:
