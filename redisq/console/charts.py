@@ -75,7 +75,7 @@ def line_chart(
         f'<text x="{width - right}" y="{height - 6}" text-anchor="end" class="tick">'
         f"{_clock(x1)}</text>",
     ]
-    legend_x = left + 150
+    legend_x = left + 7 * (len(title) + len(unit)) + 40
     for i, (name, pts) in enumerate(shown.items()):
         color = PALETTE[i % len(PALETTE)]
         path = " ".join(f"{px(t):.1f},{py(v):.1f}" for t, v in pts)
