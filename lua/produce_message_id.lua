@@ -18,11 +18,8 @@ ARGV[10] state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[11] "1" for a named producer, "0" for an anonymous one (see produce_sequence.lua)
 ARGV[12...] the messages, #layout arguments each
 
-Time slices of the dedup window come from the server's clock (TIME), never a client's: slice
-s = floor(now / window) lives in bucket s % 2, whose field "" records s (a message id is never
-empty). A bucket still holding slice s - 2 or older is emptied before it is reused; the other
-bucket counts while it holds slice s - 1. An id is remembered for at least one window and at
-most two, whatever the clocks of the producers that send it.
+The ids live in the partition's dedup ring (includes/dedup.lua): remembered for at least one
+window and at most two, whatever the clocks of the producers that send it.
 
 Batch numbers keep a producer's batches in order when several are in flight: a batch after a
 missing one is refused (OUT_OF_ORDER) and re-sent after it. A batch that was written before
@@ -42,6 +39,7 @@ Error replies
   OUT_OF_ORDER expected=<n>             a batch before this one is missing: nothing written
 ]]
 -- #include includes/append.lua
+-- #include includes/dedup.lua
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
@@ -75,21 +73,8 @@ if batch_no > expected then
   return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', expected))
 end
 
--- The two buckets of the ring: the current slice's (emptied if it holds an older slice) and the
--- previous slice's (looked up only while it holds exactly that slice).
-local now_ms = server_now_ms()
-local window_ms = tonumber(ARGV[3])
-local slice = math.floor(now_ms / window_ms)
-local current = KEYS[2 + slice % 2]
-local previous = KEYS[2 + (slice + 1) % 2]
-local slice_text = string.format('%.0f', slice)
-local held = tonumber(redis.call('HGET', current, ''))
--- A bucket of a newer slice (the clock went back after a failover) is kept, not emptied.
-local fresh = held == nil or held < slice
-if fresh then
-  redis.call('DEL', current)
-end
-local previous_valid = redis.call('HGET', previous, '') == string.format('%.0f', slice - 1)
+local ring = dedup_ring(KEYS[2], KEYS[3], tonumber(ARGV[3]))
+local current = ring.current
 
 local producer_id = ARGV[1]
 local layout = ARGV[6]
@@ -117,12 +102,12 @@ local function lookup(bucket)
   return found
 end
 local in_current = {}
-if not fresh then
+if not ring.fresh then
   in_current = lookup(current)
 end
 local in_previous = {}
-if previous_valid then
-  in_previous = lookup(previous)
+if ring.previous_valid then
+  in_previous = lookup(ring.previous)
 end
 local first_in_batch = {} -- message id -> index of its first occurrence appended by this batch
 local duplicate_of = {}   -- index -> the stream ID it was first written at, or that first index
@@ -174,11 +159,7 @@ if batch_no == expected then
   redis.call('PEXPIRE', KEYS[4], ARGV[10])
 end
 if appended.count > 0 then
-  if fresh then
-    redis.call('HSET', current, '', slice_text)
-  end
-  -- Needed until the end of the next slice; then the ring reuses this bucket for slice + 2.
-  redis.call('PEXPIRE', current, string.format('%.0f', (slice + 2) * window_ms - now_ms + 1000))
+  dedup_seal(ring)
   trim_retention(KEYS[1], appended.last, tonumber(ARGV[4]), tonumber(ARGV[5]))
 end
 result[1] = table.concat(flags)

@@ -25,10 +25,19 @@ if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'checked_ms', now_ms)
 end
 if not record[1] then
-  if ARGV[1] == 'committed' then
+  -- Nothing was staged. Recovery (no epoch) finds a transaction it knows nothing of: aborted,
+  -- so a late batch of a paused producer is refused. Its producer may commit it (only input
+  -- positions, or nothing).
+  if ARGV[1] == 'committed' and ARGV[2] == '' then
     return redis.error_reply('TX_DECIDED state=missing')
   end
   redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decided_ms', now_ms)
+  if ARGV[2] ~= '' then
+    redis.call('HSET', KEYS[1], 'epoch', ARGV[2])
+  end
+  if ARGV[3] ~= '' then
+    redis.call('HSET', KEYS[1], 'positions', ARGV[3])
+  end
   return ARGV[1]
 end
 if record[1] == ARGV[1] then

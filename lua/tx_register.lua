@@ -10,9 +10,11 @@ ARGV[1]  transaction id
 ARGV[2]  the producer's epoch ("" for an anonymous producer)
 ARGV[3]  deadline in ms from now (the transaction timeout: aborted past it if still open)
 ARGV[4]  first check-back in ms from now ("" when there is no transactional group)
+ARGV[5]  "1": the name's one open transaction (Kafka's transactional.id), recorded in KEYS[1]
 
-A named producer has one open transaction at a time (Kafka's transactional.id): a new instance
-finds it in the registration and aborts or completes it before it writes anything.
+A transactional producer (Kafka style) has one open transaction at a time: a new instance of its
+name finds it in the registration and aborts or completes it before it writes anything. Half
+messages (RocketMQ style) may be open side by side; check-back resolves them.
 
 Returns 1.
 Error replies
@@ -25,7 +27,9 @@ if ARGV[2] ~= '' then
   if stored and stored ~= ARGV[2] then
     return redis.error_reply('PRODUCER_FENCED stored=' .. stored .. ' got=' .. ARGV[2])
   end
-  redis.call('HSET', KEYS[1], 'tx', ARGV[1])
+  if ARGV[5] == '1' then
+    redis.call('HSET', KEYS[1], 'tx', ARGV[1])
+  end
 end
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[3]), ARGV[1])
 if ARGV[4] ~= '' then

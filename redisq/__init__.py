@@ -24,13 +24,17 @@ from redisq.errors import (
     RedisqError,
     TopicExists,
     TopicNotFound,
+    TransactionAborted,
+    TransactionDecided,
     UnsupportedServer,
 )
 from redisq.idempotent import idempotent
 from redisq.partitioner import partition_for_key
 from redisq.producer import Producer, SendFuture
-from redisq.records import Message, RecordMetadata
+from redisq.records import MalformedEntry, MalformedMessage, Message, RecordMetadata
 from redisq.topic import PartitionInfo, TopicConfig, TopicDescription
+from redisq.transactional import Transaction
+from redisq.transactions import TransactionResult, TxMessage, TxState
 
 __version__ = "0.1.0"
 
@@ -41,6 +45,8 @@ __all__ = [
     "InvalidConfig",
     "InvalidName",
     "LeaseLost",
+    "MalformedEntry",
+    "MalformedMessage",
     "Message",
     "MessageTooLarge",
     "NotEnoughReplicas",
@@ -57,6 +63,12 @@ __all__ = [
     "TopicDescription",
     "TopicExists",
     "TopicNotFound",
+    "Transaction",
+    "TransactionAborted",
+    "TransactionDecided",
+    "TransactionResult",
+    "TxMessage",
+    "TxState",
     "UnsupportedServer",
     "connect",
     "errors",

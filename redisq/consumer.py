@@ -33,6 +33,8 @@ from redisq.coordinator import Coordinator, default_member_name
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.idempotent import IdempotentHandler
 from redisq.ownership import TopicPartition
+from redisq.protocol.group import Lease
+from redisq.protocol.transactions import InputPosition
 from redisq.records import Message
 from redisq.stats import ConsumerStats
 from redisq.worker import Worker
@@ -273,6 +275,37 @@ class Consumer(Coordinator):
             except redis.RedisError as exc:
                 log.warning("%s: could not leave the group: %s", self.name, exc)
         self.io.close()
+
+    # -- transactions (consume-transform-produce: Transaction.ack) --------------------------------
+    def _transaction_inputs(
+        self, messages: Message | Iterable[Message], tx_id: str
+    ) -> list[tuple[Lease, InputPosition]]:
+        """Acks that belong to transaction tx_id: the positions it would commit, and the leases
+        it must still hold when it does."""
+        if self.mode != "orderly":
+            raise InvalidConfig("tx.ack() needs an orderly consumer (mode='orderly')")
+        by_tp: dict[TopicPartition, list[str]] = {}
+        for message in [messages] if isinstance(messages, Message) else messages:
+            by_tp.setdefault((message.topic, message.partition), []).append(message.offset)
+        inputs = []
+        now = time.monotonic()
+        with self._lock:
+            for tp, offsets in by_tp.items():
+                reader = self._readers.get(tp)
+                owned = self.ownership.owned.get(tp)
+                if reader is None or owned is None or owned.lost:
+                    raise LeaseLost(f"{tp[0]}/{tp[1]} is not held by {self.name}")
+                moved = reader.transactional_ack(tx_id, offsets, now)
+                if moved is not None:
+                    position = InputPosition(self.group, tp[0], tp[1], moved[0], moved[1])
+                    inputs.append((reader.lease, position))
+        return inputs
+
+    def _transaction_ended(self, position: InputPosition, committed: bool) -> None:
+        with self._lock:
+            reader = self._readers.get((position.topic, position.partition))
+            if reader is not None and reader.transaction is not None:
+                reader.transaction_ended(position.position, position.entries_read, committed)
 
     # -- the coordinator thread ------------------------------------------------------------------
     # -- committing ------------------------------------------------------------------------------

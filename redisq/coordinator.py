@@ -21,15 +21,17 @@ from typing import TYPE_CHECKING, Any, Unpack
 import redis
 
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import InvalidConfig, InvalidName, LeaseLost, TopicNotFound
+from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.group import GroupMembership
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.ownership import OwnershipCore, TopicPartition
 from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
+from redisq.protocol import run_operation
 from redisq.records import Message
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
+from redisq.transactions import settle_input
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle
@@ -206,6 +208,15 @@ class Coordinator:
             return
         if grant is None:
             return
+        if grant.pending_tx is not None:  # a transaction of the previous owner holds it
+            try:
+                grant = run_operation(
+                    settle_input(self.broker.keys, grant), self.broker.scripts.execute
+                )
+            except (RedisqError, redis.RedisError) as exc:
+                log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
+                membership.release_lease(grant.lease)
+                return
         reader = OrderlyPartition(grant)
         self.io.load_parked(reader)
         with self._lock:

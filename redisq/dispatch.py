@@ -46,6 +46,11 @@ class OrderlyPartition:
         self.commit_in_flight: Commit | None = None
         # The message after the position was handed to this many owners that never got past it.
         self.head_attempts = 1 + grant.takeovers
+        # consume-transform-produce: the position an open transaction carries (plain commits
+        # wait for it), and how many entries it moves over
+        self.transaction: str | None = None
+        self.tx_position: str | None = None
+        self.tx_count = 0
 
     # -- reading ---------------------------------------------------------------------------------
     def next_range(self) -> tuple[str, bool]:
@@ -167,6 +172,37 @@ class OrderlyPartition:
         if self.uncommitted_since is None:
             self.uncommitted_since = now
 
+    # -- transactions ----------------------------------------------------------------------------
+    def transactional_ack(
+        self, tx_id: str, offsets: Iterable[str], now: float
+    ) -> tuple[str, int | None] | None:
+        """The caller acked these within transaction tx_id: the position moves over them as for
+        ack(), but belongs to the transaction; (position, entries_read) it would commit."""
+        if self.transaction not in (None, tx_id):
+            raise ValueError(f"{self.tp[0]}/{self.tp[1]} is in transaction {self.transaction}")
+        self.ack(offsets, now)
+        if self.done is not None:
+            self.transaction = tx_id
+            self.tx_position = self.done
+            self.tx_count += self.done_count
+            self.done, self.done_count = None, 0
+        if self.tx_position is None:
+            return None
+        entries = None if self.entries_read is None else self.entries_read + self.tx_count
+        return self.tx_position, entries
+
+    def transaction_ended(self, position: str, entries_read: int | None, committed: bool) -> None:
+        """Committed: the group is at `position` now. Aborted: read again from the committed
+        position (what the transaction acked is handled again)."""
+        if committed:
+            self.committed_position(position, entries_read)
+        else:
+            self.read_from, self.inclusive = self.committed_at, False
+            self.outstanding.clear()
+            self.acked.clear()
+            self.done, self.done_count = None, 0
+        self.transaction, self.tx_position, self.tx_count = None, None, 0
+
     # -- committing ------------------------------------------------------------------------------
     def commit_due(self, now: float, interval_s: float) -> bool:
         return self.uncommitted_since is not None and now - self.uncommitted_since >= interval_s
@@ -175,6 +211,8 @@ class OrderlyPartition:
         """What to commit now (None: nothing); `committed()` or `commit_failed()` follows."""
         if self.uncommitted_since is None and self.done is None:
             return None
+        if self.transaction is not None:
+            return None  # the transaction commits the position, or gives it back
         commit = self.pending
         if self.done is not None:
             commit.position = self.done

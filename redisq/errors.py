@@ -111,6 +111,11 @@ class TransactionDecided(RedisqError):
         self.state = state
 
 
+class TransactionAborted(RedisqError):
+    """The transaction was aborted (by the caller, an exception, a lost input lease, its timeout
+    or a newer instance of the producer): none of its messages or acks took effect."""
+
+
 class ProducerClosed(RedisqError):
     """send() after close(), or a message still buffered when the producer was closed."""
 

@@ -26,6 +26,7 @@ MAX_INTERNAL_TOPIC_CHARS = 1024
 # User names never contain "~", so a name built around it cannot be any user topic, and the parts
 # around it split back unambiguously.
 DEAD_LETTER_MARK = "~dlq~"
+UNRESOLVED_MARK = "~unresolved"
 
 # fullmatch, never match with "$": "$" also matches before a trailing newline ("orders\n").
 _NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_NAMESPACE_CHARS}}}")
@@ -48,6 +49,8 @@ def validate_topic(topic: object) -> str:
         if _NAME_RE.fullmatch(topic):
             return topic
         if parse_dead_letter_topic(topic) is not None:
+            return topic
+        if parse_unresolved_topic(topic) is not None:
             return topic
     raise InvalidName(
         f"invalid topic name {topic!r}: 1-{MAX_NAME_CHARS} characters from A-Z a-z 0-9 . _ - "
@@ -102,6 +105,20 @@ def parse_dead_letter_topic(name: str) -> tuple[str, str] | None:
     if not all(_NAME_RE.fullmatch(part) for part in parts):
         return None
     return topic, group
+
+
+def unresolved_topic(group: str) -> str:
+    """Where check-back puts the half messages of transactional group `group` that it gave up
+    on: ``<group>~unresolved`` (kept, listed by `redisq transactions`)."""
+    return f"{validate_name('transactional group', group)}{UNRESOLVED_MARK}"
+
+
+def parse_unresolved_topic(name: str) -> str | None:
+    """The transactional group of an unresolved-transactions topic, else None."""
+    group = name.removesuffix(UNRESOLVED_MARK)
+    if group == name or not _NAME_RE.fullmatch(group):
+        return None
+    return group
 
 
 class KeySpace:
@@ -219,6 +236,10 @@ class KeySpace:
     def transaction_group(self, group: str) -> str:
         """ZSET transaction id -> next check-back (ms) of a transactional producer group."""
         return f"{self._global}:txgroup:{group}"
+
+    def transaction_sweeper(self) -> str:
+        """STRING lease of the client that sweeps the registry (expired and unfinished ones)."""
+        return f"{self._global}:txsweep"
 
     def transaction_checker(self, group: str) -> str:
         """STRING lease of the member of a transactional group that runs the check-back."""

@@ -25,7 +25,13 @@ import redis
 from redisq import errors
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
-from redisq.errors import ProducerClosed, ProducerFenced, RedisqError, UnsupportedServer
+from redisq.errors import (
+    InvalidConfig,
+    ProducerClosed,
+    ProducerFenced,
+    RedisqError,
+    UnsupportedServer,
+)
 from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
@@ -33,6 +39,8 @@ from redisq.records import RecordMetadata
 from redisq.sending import MessageEncoder, Round, script_for
 from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.topic import TopicConfig
+from redisq.transactional import LocalFn, Transaction, Transactions
+from redisq.transactions import TransactionResult
 from redisq.transport import Transport
 
 if TYPE_CHECKING:
@@ -149,9 +157,16 @@ class Producer:
         self._closed = False
 
         self._check_acks_supported()
+        if settings.transactional and name is None:
+            raise InvalidConfig("transactional=True needs a name: instances of a name fence")
         self.identity = self._new_identity()
+        self._transactions = Transactions(self) if settings.transactions else None
+        if self._transactions is not None:
+            self._transactions.recover()
         self._sender = threading.Thread(target=self._run, name="redisq-sender", daemon=True)
         self._sender.start()
+        if self._transactions is not None:
+            self._transactions.start()
 
     @property
     def producer_id(self) -> int:
@@ -370,6 +385,26 @@ class Producer:
             self._cond.notify_all()
         return future.result(timeout)
 
+    def transaction(self) -> Transaction:
+        """Begin a transaction (Kafka style; `transactional=True`): see redisq.Transaction."""
+        return self._tx().begin()
+
+    def send_in_transaction(
+        self, topic: str, value: bytes | str, key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None, partition: int | None = None,
+        *, local: LocalFn,
+    ) -> TransactionResult:  # fmt: skip
+        """A half message (RocketMQ style; `transactional_group=`): staged, then visible only
+        if local(tx_id, messages) answers TxState.COMMIT (or check-back does later)."""
+        return self._tx().send_half(topic, value, key, headers, message_id, partition, local)
+
+    def _tx(self) -> Transactions:
+        if self._transactions is None:
+            raise InvalidConfig("this producer is not transactional (transactional=True or "
+                                "transactional_group=...)")  # fmt: skip
+        return self._transactions
+
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered now and wait until all of it is acknowledged or failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -390,6 +425,8 @@ class Producer:
         """Flush, then stop the sender thread."""
         if self._closed:
             return
+        if self._transactions is not None:
+            self._transactions.close()
         try:
             if self._core.fatal is None:
                 self.flush(timeout)

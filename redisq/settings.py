@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
 from redisq.errors import InvalidConfig, check_int, check_number
+from redisq.keys import validate_name
 from redisq.partitioner import Selector
 
 IDEMPOTENCE_MODES = ("sequence", "message_id", None)
@@ -40,6 +41,13 @@ class ProducerOptions(TypedDict, total=False):
     ack_timeout_ms: int  # acks="replicas"/"fsync": how long WAIT/WAITAOF waits
     metadata_max_age_ms: int  # topic metadata is read again this often (added partitions)
     partitioner: Selector | None  # (topic, key, value, partitions) -> partition
+    transactional: bool  # Kafka style: p.transaction() (needs a name; fences older instances)
+    transactional_group: str | None  # RocketMQ style: p.send_in_transaction(), check-back
+    check: Callable[..., Any] | None  # check(tx_id, messages) -> TxState (check-back)
+    transaction_timeout_ms: int  # an open transaction is aborted this long after it began
+    check_first_ms: int  # first check-back of an undecided half message (RocketMQ: 6 s)
+    check_interval_ms: int  # then every (RocketMQ: 30 s)
+    max_checks: int  # then it goes to the group's unresolved topic (RocketMQ: 15)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,17 @@ class ProducerSettings:
     ack_timeout_ms: int = 1_000
     metadata_max_age_ms: int = 5_000
     partitioner: Callable[[str, bytes | None, bytes, int], int] | None = None
+    transactional: bool = False
+    transactional_group: str | None = None
+    check: Callable[..., Any] | None = None
+    transaction_timeout_ms: int = 60_000
+    check_first_ms: int = 6_000
+    check_interval_ms: int = 30_000
+    max_checks: int = 15
+
+    @property
+    def transactions(self) -> bool:
+        return self.transactional or self.transactional_group is not None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> ProducerSettings:
@@ -68,10 +87,10 @@ class ProducerSettings:
         if unknown:
             raise TypeError(f"unknown producer option(s) {', '.join(unknown)}")
         settings = cls(**options)
-        settings.check()
+        settings.validate()
         return settings
 
-    def check(self) -> None:
+    def validate(self) -> None:
         if self.idempotence not in IDEMPOTENCE_MODES:
             raise InvalidConfig(
                 f"idempotence={self.idempotence!r}: choose one of {IDEMPOTENCE_MODES}"
@@ -98,6 +117,28 @@ class ProducerSettings:
             )
         if self.partitioner is not None and not callable(self.partitioner):
             raise TypeError(f"partitioner must be callable, not {type(self.partitioner).__name__}")
+        self._check_transactions()
+
+    def _check_transactions(self) -> None:
+        if not isinstance(self.transactional, bool):
+            kind = type(self.transactional).__name__
+            raise TypeError(f"transactional must be a bool, not {kind}")
+        if self.transactional_group is not None:
+            validate_name("transactional group", self.transactional_group)
+            if self.check is None:
+                raise InvalidConfig(
+                    "transactional_group needs check=: the function check-back asks about an "
+                    "undecided half message"
+                )
+        if self.check is not None:
+            if not callable(self.check):
+                raise TypeError(f"check must be callable, not {type(self.check).__name__}")
+            if self.transactional_group is None:
+                raise InvalidConfig("check= needs transactional_group=: the group it answers for")
+        check_number("transaction_timeout_ms", self.transaction_timeout_ms, 1_000, 24 * 3600 * 1000)
+        check_number("check_first_ms", self.check_first_ms, 10, 24 * 3600 * 1000)
+        check_number("check_interval_ms", self.check_interval_ms, 10, 24 * 3600 * 1000)
+        check_number("max_checks", self.max_checks, 1, 10_000)
 
 
 MODES = ("orderly", "concurrent")
@@ -160,7 +201,7 @@ class ConsumerSettings:
         if unknown:
             raise TypeError(f"unknown consumer option(s) {', '.join(unknown)}")
         settings = cls(**options)
-        settings.check()
+        settings.validate()
         return settings
 
     @property
@@ -177,7 +218,7 @@ class ConsumerSettings:
     def claim_idle(self) -> int:
         return self.claim_idle_ms if self.claim_idle_ms is not None else self.lease_ttl_ms
 
-    def check(self) -> None:
+    def validate(self) -> None:
         if self.mode not in MODES:
             raise InvalidConfig(f"mode={self.mode!r}: expected one of {MODES}")
         if self.start not in STARTS:

@@ -1,5 +1,5 @@
-"""Transaction and schedule scripts (DESIGN §11, §12): stage, decide, finish; input positions
-carried by a transaction; delayed messages scheduled and delivered."""
+"""Transaction scripts (DESIGN §11): register, stage, decide, roll forward (tx_apply), finish;
+the input positions a consume-transform-produce transaction carries (tx_hold, tx_position)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from redisq.keys import KeySpace
-from redisq.protocol import ScriptCall, text
+from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.group import Lease
+from redisq.protocol.produce import BatchResult
+from redisq.protocol.resp import decode_bulks
+from redisq.topic import TopicConfig
 
 STATES = ("open", "committed", "aborted", "unresolved")
+# A decided transaction's record stays this long after it was carried out, so a late call of a
+# fenced or paused instance finds the decision instead of opening the transaction again.
+RECORD_KEEP_MS = 24 * 3600 * 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,51 @@ class StagedBatch:
     def parse(cls, raw: bytes) -> StagedBatch:
         topic, partition, layout, count, body = raw.split(b"\n", 4)
         return cls(topic.decode(), int(partition), layout.decode(), int(count), body)
+
+    def messages(self) -> list[dict[str, bytes]]:
+        """The batch's messages as {letter: argument} (k key, v value, h headers blob, m message
+        id; a letter missing or empty: not given)."""
+        width = len(self.layout)
+        values = decode_bulks(self.body, self.count * width)
+        return [
+            {letter: values[i * width + j] for j, letter in enumerate(self.layout)}
+            for i in range(self.count)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class TxRecord:
+    """A transaction's record as stored (tx_stage.lua creates it, tx_decide.lua decides it)."""
+
+    tx_id: str
+    state: str
+    producer_id: int | None
+    name: str | None
+    epoch: str
+    group: str | None
+    created_ms: int
+    deadline_ms: int
+    checks: int
+    positions: list[InputPosition]
+
+    @classmethod
+    def from_hash(cls, tx_id: str, raw: dict[str, Any]) -> TxRecord:
+        def get(name: str, default: str = "") -> str:
+            value = raw.get(name)
+            return default if value is None else text(value)
+
+        return cls(
+            tx_id=tx_id,
+            state=get("state", "open"),
+            producer_id=int(get("producer")) if get("producer").isdigit() else None,
+            name=get("name") or None,
+            epoch=get("epoch"),
+            group=get("group") or None,
+            created_ms=int(get("created_ms", "0")),
+            deadline_ms=int(get("deadline_ms", "0")),
+            checks=int(get("checks", "0")),
+            positions=decode_positions(raw.get("positions")),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +124,10 @@ def register(
     timeout_ms: int,
     group: str | None,
     first_check_ms: int | None,
+    exclusive: bool,
 ) -> ScriptCall[Any]:
-    """tx_register.lua: the transaction in the registry (named: proves the epoch)."""
+    """tx_register.lua: the transaction in the registry (named: proves the epoch; exclusive:
+    the name's one open transaction, which its next instance completes or aborts)."""
     return ScriptCall(
         "tx_register",
         (
@@ -87,25 +140,75 @@ def register(
             epoch if name else "",
             timeout_ms,
             "" if first_check_ms is None else first_check_ms,
+            "1" if exclusive and name else "0",
         ),
     )
+
+
+def read_record(keys: KeySpace, tx_id: str) -> Command[TxRecord | None]:
+    """The transaction's record (None: nothing was staged or decided, or it was forgotten)."""
+
+    def decode(reply: Any) -> TxRecord | None:
+        if isinstance(reply, dict):
+            raw = {text(k): v for k, v in reply.items()}
+        else:
+            raw = {text(k): v for k, v in zip(reply[0::2], reply[1::2], strict=True)}
+        return TxRecord.from_hash(tx_id, raw) if raw else None
+
+    return Command(("HGETALL", keys.transaction(tx_id)), decode)
+
+
+def read_batches(keys: KeySpace, tx_id: str) -> Command[list[StagedBatch]]:
+    """The staged batches, in the order they were staged."""
+    return Command(
+        ("LRANGE", keys.transaction_messages(tx_id), 0, -1),
+        lambda reply: [StagedBatch.parse(raw) for raw in reply],
+    )
+
+
+def close_record(keys: KeySpace, tx_id: str) -> list[Step]:
+    """A carried-out transaction: its staged batches go, its decided record expires later."""
+    return [
+        Command(("DEL", keys.transaction_messages(tx_id))),
+        Command(("PEXPIRE", keys.transaction(tx_id), RECORD_KEEP_MS)),
+    ]
+
+
+def due(key: str, now_ms: int, limit: int) -> Command[list[str]]:
+    """Ids due in a registry zset (the registry, or a group's check-back schedule)."""
+    return Command(
+        ("ZRANGEBYSCORE", key, "-inf", now_ms, "LIMIT", 0, limit),
+        lambda reply: [text(r) for r in reply],
+    )
+
+
+def reschedule(key: str, tx_id: str, at_ms: int) -> Command[Any]:
+    """Look at a transaction again at at_ms (only while it is still in that zset)."""
+    return Command(("ZADD", key, "XX", at_ms, tx_id))
+
+
+def count_check(keys: KeySpace, tx_id: str) -> Command[int]:
+    """One more check-back answered UNKNOWN (or failed); the number so far."""
+    return Command(("HINCRBY", keys.transaction(tx_id), "checks", 1), int)
 
 
 def stage(
     keys: KeySpace,
     tx_id: str,
+    index: int,
+    batch: StagedBatch,
     *,
-    producer: str,
+    producer_id: int,
+    name: str | None,
     epoch: int,
     timeout_ms: int,
     group: str | None,
-    batch: StagedBatch,
 ) -> ScriptCall[int]:
-    """tx_stage.lua: one batch, where no consumer reads it."""
+    """tx_stage.lua: batch `index` of the transaction, where no consumer reads it (once)."""
     return ScriptCall(
         "tx_stage",
         (keys.transaction(tx_id), keys.transaction_messages(tx_id)),
-        (producer, epoch, timeout_ms, group or "", batch.serialize()),
+        (producer_id, epoch, timeout_ms, group or "", batch.serialize(), index, name or ""),
         int,
     )
 
@@ -144,6 +247,39 @@ def finish(keys: KeySpace, tx_id: str, *, name: str | None, group: str | None) -
             keys.transaction_group(group) if group else keys.transactions(),
         ),
         (tx_id, "1" if name else "0"),
+    )
+
+
+def _applied(reply: Any) -> BatchResult:
+    return BatchResult(first_id=text(reply[1]), duplicate=reply[0] == b"DUP")
+
+
+def apply_batch(
+    keys: KeySpace,
+    tx_id: str,
+    index: int | str,
+    batch: StagedBatch,
+    config: TopicConfig,
+    producer_id: int | None,
+) -> ScriptCall[BatchResult]:
+    """tx_apply.lua: roll staged batch `index` forward into its partition, once."""
+    topic, p = batch.topic, batch.partition
+    return ScriptCall(
+        "tx_apply",
+        (keys.log(topic, p), keys.dedup_bucket(topic, p, 0), keys.dedup_bucket(topic, p, 1)),
+        (
+            f"{tx_id}:{index}",
+            config.dedup_window_ms,
+            config.retention_messages,
+            config.retention_ms,
+            "" if producer_id is None else producer_id,
+            batch.layout,
+            batch.count,
+        ),
+        _applied,
+        topic,
+        batch.body,
+        batch.count * len(batch.layout),
     )
 
 

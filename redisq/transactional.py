@@ -1,0 +1,353 @@
+"""Transactions of the thread producer (the operations are in transactions.py, shared with the
+asyncio producer): Kafka's `producer.transaction()` and RocketMQ's
+`producer.send_in_transaction(...)`, and a background thread that sweeps the registry and runs
+the check-back of the producer's transactional group.
+
+Every operation here is idempotent as a whole (a batch is staged once at its index, a decision
+repeated is answered again, a roll-forward repeated writes nothing), so a connection error is
+met by running it again, until delivery_timeout_ms.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+
+from redisq import transactions as ops
+from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionAborted
+from redisq.protocol import Operation, run_operation
+from redisq.protocol.group import Lease
+from redisq.protocol.transactions import InputPosition
+from redisq.records import Message, RecordMetadata
+from redisq.topic import TopicConfig
+from redisq.transactions import (
+    Staging,
+    TransactionResult,
+    TxMessage,
+    TxState,
+    Writer,
+)
+
+if TYPE_CHECKING:
+    from redisq.consumer import Consumer
+    from redisq.producer import Producer
+
+log = logging.getLogger("redisq.transactions")
+T = TypeVar("T")
+
+_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+LocalFn = Callable[[str, list[TxMessage]], Any]
+
+
+def as_state(answer: Any, what: str) -> TxState:
+    """A `local` / `check` answer as a TxState; anything else is UNKNOWN (and logged)."""
+    if isinstance(answer, TxState):
+        return answer
+    if isinstance(answer, str) and answer in {s.value for s in TxState}:
+        return TxState(answer)
+    log.warning("%s answered %r, not a redisq.TxState: taken as UNKNOWN", what, answer)
+    return TxState.UNKNOWN
+
+
+def background_tick_s(check_interval_ms: int) -> float:
+    """How often the background duties run: a quarter of the check interval, 50 ms to 1 s."""
+    return min(1.0, max(0.05, check_interval_ms / 4000))
+
+
+class Transaction:
+    """One transaction of a transactional producer (Kafka style). Use it as a context manager:
+    it commits on a clean exit and aborts when the block raises.
+
+        with producer.transaction() as tx:
+            tx.send("orders.enriched", value, key=key)
+            tx.ack(consumer, messages)
+
+    Nothing is visible to consumers before the commit; after it, every message is in its
+    partition exactly once, in send order per partition, and the acked input positions are
+    committed, or none of that happens. `records` then says where each message landed.
+    """
+
+    def __init__(self, transactions: Transactions, tx_id: str) -> None:
+        self.transaction_id = tx_id
+        self.state = "open"
+        self.records: tuple[RecordMetadata, ...] = ()
+        self._tx = transactions
+        self._producer = transactions.producer
+        settings = self._producer.settings
+        self._staging = Staging(settings.max_batch_messages, settings.max_batch_bytes)
+        self._written = 0  # batches staged in Redis
+        self._registered = False
+        self._configs: dict[str, TopicConfig] = {}
+        self._inputs: dict[tuple[str, str, int], tuple[Consumer, Lease, InputPosition]] = {}
+        self._writer = transactions.writer()
+
+    def __repr__(self) -> str:
+        return f"<redisq.Transaction {self.transaction_id} {self.state}>"
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self.state != "open":
+            return
+        if exc_type is None:
+            self.commit()
+            return
+        try:
+            self.abort()
+        except Exception as abort_error:  # the block's exception is the one to see
+            log.warning("transaction %s: abort failed: %s", self.transaction_id, abort_error)
+
+    def send(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None,
+        partition: int | None = None,
+    ) -> None:
+        """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
+        self._check_open()
+        config = self._configs.get(topic) or self._producer._topic_config(topic)
+        self._configs[topic] = config
+        encoded = self._producer._encoder.encode(config, value, key, headers, message_id, partition)
+        self._staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
+        if self._staging.full():
+            self._stage()
+
+    def ack(self, consumer: Consumer, messages: Message | Iterable[Message]) -> None:
+        """Commit these input messages' positions with the transaction (consume-transform-
+        produce): only if it commits, and only while `consumer` still holds their partitions;
+        an aborted transaction makes the consumer read them again."""
+        self._check_open()
+        for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
+            self._inputs[(position.group, position.topic, position.partition)] = (
+                consumer,
+                lease,
+                position,
+            )
+
+    def commit(self) -> tuple[RecordMetadata, ...]:
+        """Stage what is left, decide, roll forward; TransactionAborted if it could not commit
+        (its timeout passed, a newer instance started, an input partition moved)."""
+        self._check_open()
+        self._staging.seal_all()
+        self._stage()
+        inputs = [(lease, position) for _, lease, position in self._inputs.values()]
+        staged = self._staging.staged
+        try:
+            results = self._tx.run(
+                lambda: ops.commit(
+                    self._tx.keys, self.transaction_id, self._writer, staged, inputs,
+                    self._configs.get,
+                )
+            )  # fmt: skip
+        except TransactionAborted:
+            self._ended(committed=False)
+            raise
+        self.records = ops.records_of(staged, results, self._staging.order)
+        self._ended(committed=True)
+        return self.records
+
+    def abort(self) -> None:
+        """Nothing of the transaction takes effect; the acked inputs are read again."""
+        self._check_open()
+        positions = [position for _, _, position in self._inputs.values()]
+        self._tx.run(lambda: ops.abort(self._tx.keys, self.transaction_id, self._writer, positions))
+        self._ended(committed=False)
+
+    def _stage(self) -> None:
+        self._staging.seal_all()
+        new = self._staging.staged[self._written :]
+        if not new:
+            return
+        keys, tx_id, writer, first = self._tx.keys, self.transaction_id, self._writer, self._written
+
+        def stage() -> Operation[None]:
+            if not self._registered:
+                yield from ops.begin(keys, tx_id, writer)
+            yield from ops.stage(keys, tx_id, writer, new, first)
+
+        self._tx.run(stage)
+        self._registered = True
+        self._written += len(new)
+
+    def _ended(self, *, committed: bool) -> None:
+        self.state = "committed" if committed else "aborted"
+        self._tx.current = None
+        for consumer, _, position in self._inputs.values():
+            consumer._transaction_ended(position, committed)
+
+    def _check_open(self) -> None:
+        if self.state != "open":
+            raise TransactionAborted(f"transaction {self.transaction_id} is {self.state}")
+
+
+class Transactions:
+    """The transactional side of one thread producer."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.keys = producer.broker.keys
+        self.settings = producer.settings
+        self.current: Transaction | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token = secrets.token_hex(8)
+
+    def writer(self) -> Writer:
+        identity = self.producer.identity
+        group = self.settings.transactional_group
+        return Writer(
+            producer_id=identity.producer_id,
+            name=identity.name,
+            epoch=identity.epoch,
+            timeout_ms=self.settings.transaction_timeout_ms,
+            group=group,
+            first_check_ms=self.settings.check_first_ms if group else None,
+            exclusive=self.settings.transactional,
+        )
+
+    def run(self, make: Callable[[], Operation[T]]) -> T:
+        """Run an (idempotent) operation, again after a connection error, until
+        delivery_timeout_ms."""
+        deadline = time.monotonic() + self.settings.delivery_timeout_ms / 1000
+        backoff = self.settings.retry_backoff_ms / 1000
+        while True:
+            try:
+                return run_operation(make(), self.producer.broker.scripts.execute)
+            except _NETWORK_ERRORS as exc:
+                if time.monotonic() + backoff >= deadline:
+                    raise RedisqError(
+                        f"transaction step failed for delivery_timeout_ms: {exc}; the sweeper "
+                        "or the producer's next instance completes what was decided"
+                    ) from exc
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    # -- Kafka style -------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """A new instance: complete or abort its predecessor's open transaction."""
+        name = self.producer.name
+        if self.settings.transactional and name is not None:
+            recovered = self.run(lambda: ops.recover(self.keys, name))
+            if recovered:
+                log.info("producer %s: settled its predecessor's transaction %s", name, recovered)
+
+    def begin(self) -> Transaction:
+        if not self.settings.transactional:
+            raise InvalidConfig("transaction() needs broker.producer(name=..., transactional=True)")
+        if self.current is not None:
+            raise InvalidConfig(
+                f"transaction {self.current.transaction_id} is still open: one at a time"
+            )
+        self.current = Transaction(self, ops.new_transaction_id())
+        return self.current
+
+    # -- RocketMQ style ----------------------------------------------------------------------------
+    def send_half(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+        local: LocalFn,
+    ) -> TransactionResult:
+        if self.settings.transactional_group is None:
+            raise InvalidConfig(
+                "send_in_transaction() needs broker.producer(transactional_group=..., check=...)"
+            )
+        if not callable(local):
+            raise TypeError(f"local must be callable, not {type(local).__name__}")
+        producer = self.producer
+        config = producer._topic_config(topic)
+        encoded = producer._encoder.encode(config, value, key, headers, message_id, partition)
+        staging = Staging(1, 1 << 62)
+        staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
+        staging.seal_all()
+        tx_id, writer, keys = ops.new_transaction_id(), self.writer(), self.keys
+
+        def half() -> Operation[None]:
+            yield from ops.begin(keys, tx_id, writer)
+            yield from ops.stage(keys, tx_id, writer, staging.staged, 0)
+
+        self.run(half)
+        try:
+            state = as_state(local(tx_id, ops.messages_of(staging.staged)), "local")
+        except Exception:
+            log.exception("transaction %s: the local transaction raised: UNKNOWN", tx_id)
+            state = TxState.UNKNOWN
+        if state is TxState.COMMIT:
+            results = self.run(
+                lambda: ops.commit(keys, tx_id, writer, staging.staged, [], {topic: config}.get)
+            )
+            records = ops.records_of(staging.staged, results, staging.order)
+            return TransactionResult(tx_id, state, records)
+        if state is TxState.ROLLBACK:
+            self.run(lambda: ops.abort(keys, tx_id, writer, []))
+        return TransactionResult(tx_id, state)
+
+    # -- the background duties ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._background, name="redisq-transactions", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _background(self) -> None:
+        tick = background_tick_s(self.settings.check_interval_ms)
+        ttl = max(5_000, int(tick * 4000))
+        while not self._stop.wait(tick):
+            if self.producer._core.fatal is not None:
+                return  # fenced: a newer instance does this now
+            try:
+                self.background_once(ttl)
+            except ProducerClosed:
+                return
+            except (RedisqError, *_NETWORK_ERRORS) as exc:
+                log.warning("transactions: %s", exc)
+
+    def background_once(self, ttl_ms: int) -> None:
+        """Sweep the registry under the sweeper lease; run the group's check-back under its
+        checker lease."""
+        keys, token = self.keys, self._token
+        if run_operation(ops.take_lease(keys.transaction_sweeper(), token, ttl_ms), self._execute):
+            run_operation(ops.sweep(keys), self._execute)
+        group, check = self.settings.transactional_group, self.settings.check
+        if group is None or check is None:
+            return
+        if not run_operation(
+            ops.take_lease(keys.transaction_checker(group), token, ttl_ms), self._execute
+        ):
+            return
+        for due in run_operation(ops.due_checks(keys, group), self._execute):
+            try:
+                answer = as_state(check(due.record.tx_id, due.messages), "check")
+            except Exception:
+                log.exception("transaction %s: check raised: UNKNOWN", due.record.tx_id)
+                answer = TxState.UNKNOWN
+            state = run_operation(
+                ops.answer_check(
+                    keys, due.record, answer, max_checks=self.settings.max_checks,
+                    interval_ms=self.settings.check_interval_ms,
+                ),
+                self._execute,
+            )  # fmt: skip
+            log.info("transaction %s: check-back %s -> %s", due.record.tx_id, answer.value, state)
+
+    def _execute(self, steps: Any) -> Any:
+        return self.producer.broker.scripts.execute(steps)
