@@ -613,6 +613,7 @@ def build_app(console: Console, credentials: Credentials, *, secret: bytes | Non
         Route("/producers", page(producers_page)),
         Route("/metrics", page(metrics_page)),
         Route("/login", page(login_page)),
+        Route("/favicon.ico", lambda request: Response(status_code=204)),
         Route("/topics/{topic}", page(topic_page)),
         Route("/topics/{topic}/messages", page(messages_page)),
         Route("/topics/{topic}/producers", page(topic_producers_page)),

@@ -11,7 +11,7 @@ that every request passes, so no route can forget a check.
   Origin header naming another host is refused too. Failure: 403, nothing done.
 * Read-only: every POST other than the login is refused (403); the pages show no actions.
 * Headers: a Content-Security-Policy that allows only the console's own script and styles,
-  no framing, no referrer, no caching.
+  no framing, no referrer to other sites, no caching.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ CSRF_COOKIE = "redisq_csrf"
 CSRF_FIELD = "csrf"
 MAX_FORM_BYTES = 1 << 20
 LOGIN_PATH = "/login"
-PUBLIC_PATHS = ("/static/",)  # the stylesheet and script: the login page needs them
+# The stylesheet and script (the login page needs them) and the icon browsers ask for.
+PUBLIC_PATHS = ("/static/", "/favicon.ico")
 
 SECURITY_HEADERS = [
     (
@@ -51,7 +52,7 @@ SECURITY_HEADERS = [
     ),
     (b"x-frame-options", b"DENY"),
     (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),  # no-referrer would make Origin "null"
     (b"cache-control", b"no-store"),
 ]
 
@@ -329,7 +330,8 @@ async def _html(
 ) -> None:
     page = (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>redisq console</title>'
-        '<link rel="stylesheet" href="/static/console.css"></head><body><main class="narrow">'
+        '<link rel="stylesheet" href="/static/console.css"><link rel="icon" href="data:,">'
+        '</head><body><main class="narrow">'
         f"{body_html}</main></body></html>"
     ).encode()
     await send(
