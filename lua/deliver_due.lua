@@ -1,31 +1,52 @@
---[[ deliver_due: append a partition's due delayed messages, exactly once, in due order.
+--[[ deliver_due: append a partition's due delayed messages, exactly once, in due order, as the
+holder of the partition's scheduler lease (taken here when it is free, renewed on every call).
 
 KEYS[1]  partition stream                                  <ns>:{<topic>:<p>}:log
 KEYS[2]  the partition's schedule, a zset (id -> due ms)   <ns>:{<topic>:<p>}:schedule
 KEYS[3]  the scheduled messages, a hash (id -> message)    <ns>:{<topic>:<p>}:scheduled
-KEYS[4]  the partition's scheduler lease                   <ns>:{<topic>:<p>}:schedlease
-ARGV[1]  the caller's scheduler lease value
+KEYS[4]  delivered ids still refused, a zset (id -> until ms)  <ns>:{<topic>:<p>}:delivered
+KEYS[5]  the partition's scheduler lease                   <ns>:{<topic>:<p>}:schedlease
+ARGV[1]  the caller's lease token (random per scheduler)
 ARGV[2]  at most this many messages per call
 ARGV[3]  maxlen retention (0: none)
 ARGV[4]  retention_ms (0: none)
+ARGV[5]  lease ttl in ms: the lease is taken (if free) or renewed for this long; 0 hands it
+         back (deletes it if it is the caller's) and delivers nothing
 
 A due message is appended and removed from the schedule in one script: exactly once, whoever
-runs it and however often. Messages of equal due time go in schedule-id order (send order).
+runs it and however often (the lease only keeps schedulers from doing the same work twice).
+Messages of equal due time go in schedule-id order (send order). A delivered message whose
+sender may still re-send it (the "refuse until" time stored with it, see schedule.lua, is not
+past) leaves a tombstone in KEYS[4] so schedule.lua refuses the copy; tombstones past their
+time are dropped here, so KEYS[4] holds only ids whose senders may still retry.
 
-Returns {delivered, next due ms or -1 (nothing scheduled)}.
+Stored message: "<refuse until ms>\n<producer id>\n<layout>\n<RESP-encoded arguments>".
+
+Returns {delivered, next due ms or -1 (nothing scheduled), the server's time in ms}.
 Error replies
-  LEASE_LOST   another client runs this partition's scheduler
+  LEASE_LOST        another scheduler holds this partition's lease
   TOPIC_NOT_FOUND   the partition stream does not exist
 ]]
 -- #include includes/append.lua
 
-if redis.call('GET', KEYS[4]) ~= ARGV[1] then
+local holder = redis.call('GET', KEYS[5])
+local ttl = tonumber(ARGV[5])
+if holder and holder ~= ARGV[1] then
   return redis.error_reply('LEASE_LOST the scheduler lease is held by another client')
+end
+if ttl == 0 then
+  if holder then
+    redis.call('DEL', KEYS[5])
+  end
+  return {0, -1, server_now_ms()}
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
+redis.call('SET', KEYS[5], ARGV[1], 'PX', ttl)
+
 local now_ms = server_now_ms()
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
 local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[2]))
 local delivered = 0
 local last = nil
@@ -33,25 +54,24 @@ for _, id in ipairs(due) do
   local message = redis.call('HGET', KEYS[3], id)
   if message then
     local first = string.find(message, '\n', 1, true)
-    local producer_id = string.sub(message, 1, first - 1)
-    local newline = string.find(message, '\n', first + 1, true)
-    local layout = string.sub(message, first + 1, newline - 1)
-    local args = {}
+    local refuse_until = tonumber(string.sub(message, 1, first - 1))
+    local second = string.find(message, '\n', first + 1, true)
+    local producer_id = string.sub(message, first + 1, second - 1)
+    local newline = string.find(message, '\n', second + 1, true)
+    local layout = string.sub(message, second + 1, newline - 1)
+    local fields = {}
     local pos = newline + 1
-    for _ = 1, #layout do
+    for j = 1, #layout do
       local header_end = string.find(message, '\r\n', pos, true)
       local length = tonumber(string.sub(message, pos + 1, header_end - 1))
       local start = header_end + 2
-      args[#args + 1] = string.sub(message, start, start + length - 1)
-      pos = start + length + 2
-    end
-    local fields = {}
-    for j = 1, #layout do
+      local arg = string.sub(message, start, start + length - 1)
       local letter = string.sub(layout, j, j)
-      if letter == 'v' or args[j] ~= '' then
+      if letter == 'v' or arg ~= '' then
         fields[#fields + 1] = letter
-        fields[#fields + 1] = args[j]
+        fields[#fields + 1] = arg
       end
+      pos = start + length + 2
     end
     if producer_id ~= '' then
       fields[#fields + 1] = 'p'
@@ -59,6 +79,9 @@ for _, id in ipairs(due) do
     end
     last = redis.call('XADD', KEYS[1], '*', unpack(fields))
     delivered = delivered + 1
+    if refuse_until > now_ms then
+      redis.call('ZADD', KEYS[4], refuse_until, id)
+    end
   end
   redis.call('ZREM', KEYS[2], id)
   redis.call('HDEL', KEYS[3], id)
@@ -68,6 +91,6 @@ if last then
 end
 local next_due = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 if next_due[2] then
-  return {delivered, tonumber(next_due[2])}
+  return {delivered, tonumber(next_due[2]), now_ms}
 end
-return {delivered, -1}
+return {delivered, -1, now_ms}

@@ -3,36 +3,63 @@
 KEYS[1]  partition stream                                  <ns>:{<topic>:<p>}:log
 KEYS[2]  the partition's schedule, a zset (id -> due ms)   <ns>:{<topic>:<p>}:schedule
 KEYS[3]  the scheduled messages, a hash (id -> message)    <ns>:{<topic>:<p>}:scheduled
+KEYS[4]  delivered ids still refused, a zset (id -> until ms)  <ns>:{<topic>:<p>}:delivered
+KEYS[5]  the sender's producer state on this partition     <ns>:{<topic>:<p>}:pid:<pid>
 ARGV[1]  number of messages
-ARGV[2...] per message: its schedule id, its delay in ms from now ("" when deliver_at is
+ARGV[2]  the sender's retry horizon in ms: it may re-send a message for this long after the
+         first attempt (its delivery timeout, plus a margin for a request still on the wire)
+ARGV[3]  the sender's epoch ("": not checked, a producer without idempotence): refused when a
+         newer epoch of its producer id is stored here (a newer instance of its name fenced it)
+ARGV[4...] per message: its schedule id, its delay in ms from now ("" when deliver_at is
          given), deliver_at in ms since the epoch ("" when a delay is given), the message (the
          sender's producer id, a newline, the layout letters, a newline, then its RESP-encoded
          arguments; deliver_due.lua appends it with that producer id and no sequence)
 
-The schedule id carries the sender's identity and sequence (or its message id), so a re-sent
-message is stored once; ids of equal due time sort in send order (zero-padded), which keeps the
-order of a key's messages that fall due together. Due times come from the server's clock.
+The schedule id carries the sender's identity and a counter (or the message id), so a re-sent
+message is stored once: while it waits here (HSETNX), and after delivery while its sender may
+still retry (a tombstone in KEYS[4], left by deliver_due.lua, until the time stored with the
+message: now + ARGV[2]). Ids of equal due time sort in send order (zero-padded), which keeps
+the order of a key's messages that fall due together. Due times come from the server's clock.
 
-Returns a string with one character per message: "0" scheduled now, "1" already scheduled.
+Returns {flags, due ms of message 1, due ms of message 2, ...}: flags has one character per
+message, "0" scheduled now, "1" already scheduled (the due time stored first), "2" already
+delivered (due -1).
 Error replies
-  TOPIC_NOT_FOUND   the partition stream does not exist
+  TOPIC_NOT_FOUND                       the partition stream does not exist
+  PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this producer id is stored here
 ]]
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
+if ARGV[3] ~= '' then
+  local stored = redis.call('HGET', KEYS[5], 'epoch')
+  if stored and tonumber(stored) > tonumber(ARGV[3]) then
+    return redis.error_reply('PRODUCER_FENCED stored=' .. stored .. ' got=' .. ARGV[3])
+  end
+end
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+-- The time is written as an integer: tostring() of a large float would use an exponent.
+local refuse_until = string.format('%.0f', now_ms + tonumber(ARGV[2])) .. '\n'
+local reply = {''}
 local flags = {}
-local at = 2
+local at = 4
 for i = 1, tonumber(ARGV[1]) do
   local id, delay, deliver_at, message = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
   at = at + 4
   local due = tonumber(deliver_at ~= '' and deliver_at or (now_ms + tonumber(delay)))
-  if redis.call('HSETNX', KEYS[3], id, message) == 1 then
+  local tombstone = redis.call('ZSCORE', KEYS[4], id)
+  if tombstone and tonumber(tombstone) > now_ms then
+    flags[i] = '2'
+    due = -1
+  elseif redis.call('HSETNX', KEYS[3], id, refuse_until .. message) == 1 then
     redis.call('ZADD', KEYS[2], due, id)
     flags[i] = '0'
   else
     flags[i] = '1'
+    due = tonumber(redis.call('ZSCORE', KEYS[2], id) or -1)
   end
+  reply[i + 1] = due
 end
-return table.concat(flags)
+reply[1] = table.concat(flags)
+return reply

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import redis
@@ -25,6 +26,7 @@ import redis
 from redisq import errors
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
+from redisq.delayed_sender import DelayedSender
 from redisq.errors import (
     InvalidConfig,
     ProducerClosed,
@@ -155,6 +157,9 @@ class Producer:
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
         self._refreshing: set[str] = set()
         self._closed = False
+        self._delayed = DelayedSender(  # send(..., delay_ms=...): redisq.delayed
+            broker, settings, self._encoder, self._topic_config, lambda: self.identity, SendFuture
+        )
 
         self._check_acks_supported()
         if settings.transactional and name is None:
@@ -323,13 +328,21 @@ class Producer:
         headers: Mapping[str, str | bytes] | None = None,
         message_id: bytes | str | int | None = None,
         partition: int | None = None,
+        delay_ms: int | None = None,
+        deliver_at: datetime | None = None,
     ) -> SendFuture:
         """Queue a message; the returned future's result() is its RecordMetadata.
 
         Raises at once (and queues nothing) on bad input: TypeError for a value, key or header
         of the wrong type, MessageTooLarge, TopicNotFound, PartitionOutOfRange.
+        delay_ms / deliver_at (tz-aware): stored now, appended when due (see redisq.delayed).
         """
         core = self._core
+        if delay_ms is not None or deliver_at is not None:
+            if core.fatal is not None:
+                raise core.fatal
+            args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
+            return self._delayed.send_async(*args)  # type: ignore[no-any-return]
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
         cached = self._topics.get(topic)
@@ -377,8 +390,13 @@ class Producer:
         message_id: bytes | str | int | None = None,
         partition: int | None = None,
         timeout: float | None = None,
+        delay_ms: int | None = None,
+        deliver_at: datetime | None = None,
     ) -> RecordMetadata:
         """Send one message and block until it is acknowledged (no linger)."""
+        if delay_ms is not None or deliver_at is not None:
+            args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
+            return self._delayed.send(*args, timeout=timeout)
         future = self.send_async(topic, value, key, headers, message_id, partition)
         with self._cond:
             self._core.seal_batch(future._batch)
@@ -420,6 +438,7 @@ class Producer:
                     self._cond.wait(remaining if remaining is not None else 0.5)
             finally:
                 core.flush_requested = False
+        self._delayed.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the sender thread."""
@@ -435,6 +454,7 @@ class Producer:
                 self._core.closing = True
                 self._cond.notify_all()
             self._sender.join(timeout=5)
+            self._delayed.close(timeout)
             self._closed = True
 
     # -- the sender thread ---------------------------------------------------------------------

@@ -183,12 +183,18 @@ class RecordMetadata:
     offset is the stream ID. duplicate=True means the message had been written before and
     nothing was written now; offset is then the original ID, or None when the broker no longer
     remembers it (a duplicate older than the producer's window).
+
+    A delayed message (send(..., delay_ms=...)) has no offset yet (None): schedule_id names it
+    in its partition's schedule and deliver_at_ms is when it is due (the server's clock; None
+    when it had already been delivered, duplicate=True).
     """
 
     topic: str
     partition: int
     offset: str | None
     duplicate: bool = False
+    schedule_id: str | None = None
+    deliver_at_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Unpack
 
 import redis
@@ -27,6 +28,7 @@ import redis
 from redisq import errors
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
+from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import ProducerClosed, ProducerFenced, UnsupportedServer
 from redisq.keys import validate_name
@@ -97,6 +99,10 @@ class Producer:
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._closed = False
+        self._delayed = DelayedSender(  # send(..., delay_ms=...): redisq.delayed
+            broker, settings, self._encoder, self._topic_config, self._topics,
+            lambda: self.identity,
+        )  # fmt: skip
 
     @property
     def producer_id(self) -> int | None:
@@ -195,11 +201,17 @@ class Producer:
         headers: Mapping[str, str | bytes] | None = None,
         message_id: bytes | str | int | None = None,
         partition: int | None = None,
+        delay_ms: int | None = None,
+        deliver_at: datetime | None = None,
     ) -> asyncio.Future[RecordMetadata]:
-        """Queue a message; the future's result is its RecordMetadata (see the module doc)."""
+        """Queue a message; the future's result is its RecordMetadata (see the module doc).
+        delay_ms / deliver_at (tz-aware): stored now, appended when due (see redisq.delayed)."""
         core = self._core
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
+        if delay_ms is not None or deliver_at is not None:
+            args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
+            return self._delayed.send_async(*args)
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
         cached = self._topics.get(topic)
         if cached is None or self._deferred or self._sender is None:
@@ -267,8 +279,15 @@ class Producer:
         headers: Mapping[str, str | bytes] | None = None,
         message_id: bytes | str | int | None = None,
         partition: int | None = None,
+        delay_ms: int | None = None,
+        deliver_at: datetime | None = None,
     ) -> RecordMetadata:
         """Send one message and wait until it is acknowledged (no linger)."""
+        if delay_ms is not None or deliver_at is not None:
+            if self._core.fatal is not None:
+                raise self._core.fatal
+            args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
+            return await self._delayed.send(*args)
         cached = self._topics.get(topic)
         if cached is None:
             config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
@@ -315,6 +334,7 @@ class Producer:
                 await self._wait_progress()
         finally:
             core.flush_requested = False
+        await self._delayed.flush(None if deadline is None else deadline - time.monotonic())
 
     async def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the sender task."""
@@ -331,6 +351,7 @@ class Producer:
                     await asyncio.wait_for(self._sender, 5)
                 except (TimeoutError, Exception) as exc:  # pragma: no cover
                     log.warning("sender did not stop cleanly: %r", exc)
+            await self._delayed.close(timeout)
             self._closed = True
 
     def _on_finished(self, batch: Batch) -> None:

@@ -1,5 +1,5 @@
 """Delayed-message scripts (DESIGN §12): store a partition's delayed messages, deliver the due
-ones exactly once under the partition's scheduler lease."""
+ones exactly once as the holder of the partition's scheduler lease."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from typing import Any
 
 from redisq.keys import KeySpace
 from redisq.protocol import ScriptCall, text
+from redisq.protocol.produce import ProducerIdentity
 
 
 @dataclass(frozen=True, slots=True)
 class Scheduled:
-    """One delayed message: its schedule id (sender identity + sequence, zero-padded: ids of
-    equal due time sort in send order), when, and the message."""
+    """One delayed message: its schedule id (sender identity + counter, zero-padded, or its
+    message id: ids of equal due time sort in send order), when, and the message."""
 
-    schedule_id: str
+    schedule_id: bytes
     delay_ms: int | None
     deliver_at_ms: int | None
     producer_id: int
@@ -26,11 +27,35 @@ class Scheduled:
         return b"%d\n%s\n%s" % (self.producer_id, self.layout.encode(), self.body)
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    """schedule.lua's answer: per message "0" (scheduled now), "1" (already scheduled) or "2"
+    (already delivered), and its due time in ms (None when already delivered)."""
+
+    flags: str
+    due_ms: tuple[int | None, ...]
+
+
+def _schedule_reply(reply: Any) -> ScheduleResult:
+    dues = tuple(None if int(due) < 0 else int(due) for due in reply[1:])
+    return ScheduleResult(text(reply[0]), dues)
+
+
 def schedule(
-    keys: KeySpace, topic: str, partition: int, messages: list[Scheduled]
-) -> ScriptCall[str]:
-    """schedule.lua: store delayed messages (acknowledged now, once per schedule id)."""
-    args: list[Any] = [len(messages)]
+    keys: KeySpace,
+    topic: str,
+    partition: int,
+    messages: list[Scheduled],
+    *,
+    identity: ProducerIdentity,
+    fenced: bool,
+    retry_horizon_ms: int,
+) -> ScriptCall[ScheduleResult]:
+    """schedule.lua: store delayed messages (acknowledged now, once per schedule id).
+    retry_horizon_ms: how long after this call the sender may still re-send one of them;
+    fenced: refused (ProducerFenced) once a newer epoch of the identity is stored there."""
+    epoch = identity.epoch if fenced else ""
+    args: list[Any] = [len(messages), retry_horizon_ms, epoch]
     for m in messages:
         args += [
             m.schedule_id,
@@ -44,38 +69,54 @@ def schedule(
             keys.log(topic, partition),
             keys.scheduled(topic, partition),
             keys.scheduled_messages(topic, partition),
+            keys.scheduled_delivered(topic, partition),
+            keys.producer_state(topic, partition, identity.producer_id),
         ),
         args,
-        text,
+        _schedule_reply,
         topic,
     )
 
 
-def _delivered(reply: Any) -> tuple[int, int | None]:
-    delivered, next_due = int(reply[0]), int(reply[1])
-    return delivered, (None if next_due < 0 else next_due)
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """deliver_due.lua's answer: messages appended, the next due time (None: nothing
+    scheduled) and the server's clock, all in ms."""
+
+    count: int
+    next_due_ms: int | None
+    server_ms: int
+
+
+def _delivered(reply: Any) -> Delivered:
+    count, next_due, now = int(reply[0]), int(reply[1]), int(reply[2])
+    return Delivered(count, None if next_due < 0 else next_due, now)
 
 
 def deliver_due(
     keys: KeySpace,
     topic: str,
     partition: int,
-    lease_value: str,
+    lease_token: str,
     *,
     limit: int,
     retention_messages: int,
     retention_ms: int,
-) -> ScriptCall[tuple[int, int | None]]:
-    """deliver_due.lua: append what is due, exactly once; (delivered, next due ms or None)."""
+    lease_ttl_ms: int,
+) -> ScriptCall[Delivered]:
+    """deliver_due.lua: take or renew the partition's scheduler lease for lease_ttl_ms and
+    append what is due, exactly once (LeaseLost: another scheduler holds it). lease_ttl_ms=0
+    hands the lease back and delivers nothing."""
     return ScriptCall(
         "deliver_due",
         (
             keys.log(topic, partition),
             keys.scheduled(topic, partition),
             keys.scheduled_messages(topic, partition),
+            keys.scheduled_delivered(topic, partition),
             keys.scheduler_lease(topic, partition),
         ),
-        (lease_value, limit, retention_messages, retention_ms),
+        (lease_token, limit, retention_messages, retention_ms, lease_ttl_ms),
         _delivered,
         topic,
     )

@@ -1,0 +1,241 @@
+"""The asyncio driver of delayed sends: the same core as the thread driver (redisq.delayed,
+where the guarantees are described), run by a sender task.
+
+send_async() with a delay never blocks the event loop: with the topic's metadata cached it
+checks, encodes and queues the message at once (bad input raises there); otherwise the message
+waits, in order, for the metadata, and errors about the topic come through its future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from redisq import errors
+from redisq.asyncio.scheduler import Scheduler
+from redisq.delayed import (
+    DelayedBatch,
+    DelayedCore,
+    ScheduleIds,
+    check_when_types,
+    encode_delayed,
+    when,
+)
+from redisq.errors import ProducerClosed
+from redisq.protocol.produce import ProducerIdentity
+from redisq.records import RecordMetadata
+from redisq.scheduler import NETWORK_ERRORS
+from redisq.sending import MessageEncoder
+from redisq.settings import ProducerSettings
+from redisq.topic import TopicConfig
+
+if TYPE_CHECKING:
+    from redisq.asyncio.handle import AsyncBrokerHandle
+
+log = logging.getLogger("redisq.asyncio.producer")
+
+_Args = tuple[Any, ...]  # topic, value, key, headers, message_id, partition, delay_ms, deliver_at
+
+
+class DelayedSender:
+    """Delayed sends of one asyncio producer: a sender task and a scheduler task for the topics
+    it sent to, both started by the first delayed message."""
+
+    def __init__(
+        self,
+        broker: AsyncBrokerHandle,
+        settings: ProducerSettings,
+        encoder: MessageEncoder,
+        topic_config: Callable[[str], Awaitable[TopicConfig]],
+        cache: dict[str, tuple[float, TopicConfig]],
+        identity: Callable[[], ProducerIdentity | None],
+    ) -> None:
+        self._broker = broker
+        self._settings = settings
+        self._encoder = encoder
+        self._topic_config = topic_config
+        self._cache = cache  # the producer's: topic -> (read at, metadata)
+        self._identity = identity
+        self._core = DelayedCore(settings, encoder.batch_sealed)
+        self._ids: ScheduleIds | None = None
+        self._deferred: deque[tuple[_Args, asyncio.Future[RecordMetadata]]] = deque()
+        self._drainer: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._scheduler: Scheduler | None = None
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._closing = False
+
+    def send_async(self, *args: Any) -> asyncio.Future[RecordMetadata]:
+        """Queue a delayed message (see the module doc); its future."""
+        self._check(args)
+        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        cached = self._cache.get(args[0])
+        fresh = cached is not None and (
+            time.monotonic() - cached[0] < self._settings.metadata_max_age_ms / 1000
+        )
+        if cached is not None and fresh and not self._deferred and self._identity() is not None:
+            self._enqueue(cached[1], args, future)
+            return future
+        self._encoder.check(*args[1:5])  # types and sizes now; routing once the metadata is in
+        self._deferred.append((args, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.ensure_future(self._drain_deferred())
+        return future
+
+    async def send(self, *args: Any) -> RecordMetadata:
+        """Queue and send at once (no linger); wait until acknowledged."""
+        self._check(args)
+        config = await self._topic_config(args[0])  # TopicNotFound raises here
+        while self._deferred:  # keep the order of earlier send_async() calls
+            await self._wait_progress()
+        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        batch = self._enqueue(config, args, future)
+        self._core.seal(batch)
+        self._wake.set()
+        return await future
+
+    def _check(self, args: _Args) -> None:
+        check_when_types(args[6], args[7])
+        if self._closing:
+            raise ProducerClosed("send after close()")
+        if self._broker.is_cluster and self._settings.acks != "leader":
+            raise errors.UnsupportedServer(
+                f'delayed messages with acks="{self._settings.acks}" are not supported on Redis '
+                'Cluster yet; use acks="leader"'
+            )
+
+    def _enqueue(
+        self, config: TopicConfig, args: _Args, future: asyncio.Future[RecordMetadata]
+    ) -> DelayedBatch:
+        topic, value, key, headers, message_id, partition, delay_ms, deliver_at = args
+        if self._core.buffered >= self._settings.max_buffered_messages:
+            raise errors.RedisqError(
+                f"buffer full ({self._settings.max_buffered_messages} delayed messages): await "
+                "send() or flush() to wait for room"
+            )
+        when_ = when(config, delay_ms, deliver_at, time.time() * 1000)
+        identity = self._identity()
+        assert identity is not None, "the producer is started before a delayed message is queued"
+        if self._ids is None:
+            self._ids = ScheduleIds(identity)
+        p, scheduled = encode_delayed(
+            self._encoder, self._settings.idempotence, self._ids, identity, config, when_,
+            value, key, headers, message_id, partition,
+        )  # fmt: skip
+        batch, index, opened = self._core.append(config, p, scheduled, time.monotonic())
+        if batch.waiter is None:
+            batch.waiter = []
+        batch.waiter.append((index, future))
+        if opened or batch.sealed:
+            self._wake.set()
+        self._start(topic)
+        return batch
+
+    async def _drain_deferred(self) -> None:
+        """Delayed messages queued before their topic's metadata was loaded, in send order."""
+        while self._deferred:
+            args, future = self._deferred[0]
+            try:
+                config = await self._topic_config(args[0])
+                self._enqueue(config, args, future)
+            except Exception as exc:
+                if not future.done():
+                    future.set_exception(exc)
+            self._deferred.popleft()
+        self._progress.set()
+
+    def _start(self, topic: str) -> None:
+        if self._sender is None:
+            self._sender = asyncio.ensure_future(self._run())
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self._broker)
+        if topic not in self._scheduler.topics:
+            self._scheduler.add_topic(topic)
+
+    async def _wait_progress(self) -> None:
+        self._progress.clear()
+        try:
+            await asyncio.wait_for(self._progress.wait(), 0.5)
+        except TimeoutError:
+            pass
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Send what is queued now; wait until it is acknowledged or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._core.flush_requested = True
+        self._wake.set()
+        try:
+            while self._core.buffered > 0 or self._deferred:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"flush: {self._core.buffered} delayed messages still unacknowledged"
+                    )
+                await self._wait_progress()
+        finally:
+            self._core.flush_requested = False
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the sender task and the scheduler (its leases are handed back)."""
+        try:
+            if self._sender is not None or self._deferred:
+                await self.flush(timeout)
+        finally:
+            self._closing = True
+            self._core.fail_all(ProducerClosed("the producer was closed"))
+            self._signal_finished()
+            self._wake.set()
+            if self._sender is not None:
+                try:
+                    await asyncio.wait_for(self._sender, 5)
+                except (TimeoutError, Exception) as exc:  # pragma: no cover
+                    log.warning("delayed sender did not stop cleanly: %r", exc)
+            if self._scheduler is not None:
+                await self._scheduler.close()
+
+    def _signal_finished(self) -> None:
+        finished, self._core.finished = self._core.finished, []
+        for batch in finished:
+            for index, future in batch.waiter:
+                if future.done():
+                    continue
+                if batch.error is not None:
+                    future.set_exception(batch.error)
+                else:
+                    future.set_result(batch.metadata(index))
+        if finished:
+            self._progress.set()
+
+    async def _run(self) -> None:
+        core, keys = self._core, self._broker.keys
+        while True:
+            now = time.monotonic()
+            core.expire(now)
+            batches = core.pick(now)
+            self._signal_finished()
+            if not batches:
+                if self._closing and core.buffered == 0:
+                    return
+                wake = core.next_deadline()
+                self._wake.clear()
+                try:
+                    timeout = 1.0 if wake is None else max(0.0, min(1.0, wake - now))
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except TimeoutError:
+                    pass
+                continue
+            identity = self._identity()
+            assert identity is not None
+            steps = core.steps(keys, batches, identity)
+            try:
+                results = await self._broker.scripts.execute(steps)
+            except Exception as exc:  # connection lost: every batch of the round goes again
+                if not isinstance(exc, NETWORK_ERRORS):
+                    log.exception("delayed send round failed")
+                results = [exc] * len(steps)
+            core.settle(batches, list(results), time.monotonic())
+            self._signal_finished()

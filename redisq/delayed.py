@@ -1,0 +1,342 @@
+"""Delayed messages, the producer's side (DESIGN §12): the checks, schedule ids, and per-partition
+batches of delayed messages. No I/O: the thread driver (delayed_sender.py) and the asyncio
+driver (asyncio/delayed_sender.py) share it.
+
+`producer.send(topic, value, delay_ms=...)` (or deliver_at=) is acknowledged once schedule.lua
+has stored the message in its partition's schedule; a scheduler appends it when it is due
+(redisq.scheduler). Each message carries a schedule id, fixed when it is queued: the sender's
+identity and a counter (zero-padded, so messages of equal due time go in send order), or its
+message id in idempotence="message_id" mode. A batch that gets no answer (a lost connection) is
+sent again, the same ids in the same batch, until delivery_timeout_ms: schedule.lua stores an
+id once, and refuses it after delivery for as long as the sender may still retry.
+
+One batch per partition is on the wire at a time and a failed one goes again before the next:
+due times come from the server's clock when a batch is stored, so messages with the same key
+and the same delay keep their send order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import redis
+
+from redisq.errors import DeliveryTimeout, InvalidConfig, NotEnoughReplicas
+from redisq.keys import KeySpace
+from redisq.protocol import Command, Step
+from redisq.protocol import schedule as calls
+from redisq.protocol.produce import ProducerIdentity
+from redisq.protocol.schedule import Scheduled, ScheduleResult
+from redisq.records import RecordMetadata
+from redisq.scheduler import NETWORK_ERRORS
+from redisq.sending import MessageEncoder
+from redisq.settings import ProducerSettings
+from redisq.topic import TopicConfig
+
+# The longest delay of a topic without a retention age: RocketMQ 5's default limit.
+MAX_DELAY_MS = 3 * 24 * 3600 * 1000
+# After its delivery timeout a sender sends nothing more; a request still on the wire then may
+# arrive a little later, so delivered ids are refused this much longer.
+RETRY_MARGIN_MS = 5_000
+
+TopicPartition = tuple[str, int]
+
+
+# -- checks -------------------------------------------------------------------------------------
+def check_when_types(delay_ms: object, deliver_at: object) -> None:
+    """The checks that need no topic: one of the two, of the right type (TypeError), a
+    deliver_at with a time zone (a naive datetime is refused: its meaning depends on the
+    machine's zone)."""
+    if delay_ms is not None and deliver_at is not None:
+        raise InvalidConfig("give delay_ms or deliver_at, not both")
+    if delay_ms is not None and (isinstance(delay_ms, bool) or not isinstance(delay_ms, int)):
+        raise TypeError(f"delay_ms must be an int (milliseconds), not {type(delay_ms).__name__}")
+    if deliver_at is not None:
+        if not isinstance(deliver_at, datetime):
+            raise TypeError(f"deliver_at must be a datetime, not {type(deliver_at).__name__}")
+        if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
+            raise TypeError(
+                "deliver_at must carry a time zone (a naive datetime is ambiguous): e.g. "
+                "datetime.now(timezone.utc) + timedelta(minutes=5)"
+            )
+
+
+def max_delay_ms(config: TopicConfig) -> int:
+    """How far ahead a message of this topic may be scheduled: its retention age, else 3 days."""
+    return config.retention_ms or MAX_DELAY_MS
+
+
+def when(
+    config: TopicConfig, delay_ms: int | None, deliver_at: datetime | None, now_ms: float
+) -> tuple[int | None, int | None]:
+    """(delay_ms, deliver_at_ms), checked against the topic's limit (InvalidConfig). A
+    deliver_at in the past is due at once; it is measured against this machine's clock
+    (now_ms), the due time itself is kept as given."""
+    check_when_types(delay_ms, deliver_at)
+    limit = max_delay_ms(config)
+    why = f"the retention of topic {config.name!r}" if config.retention_ms else "3 days"
+    if delay_ms is not None:
+        if not 1 <= delay_ms <= limit:
+            raise InvalidConfig(f"delay_ms={delay_ms} is out of range: 1..{limit} ({why})")
+        return delay_ms, None
+    assert deliver_at is not None
+    at_ms = int(deliver_at.timestamp() * 1000)
+    if at_ms - now_ms > limit:
+        raise InvalidConfig(
+            f"deliver_at={deliver_at.isoformat()} is {at_ms - now_ms:.0f} ms ahead, more than "
+            f"{limit} ({why})"
+        )
+    return None, at_ms
+
+
+class ScheduleIds:
+    """Schedule ids of one producer: "s:<producer id>:<epoch>:<counter>" (hex, the counter
+    zero-padded: equal due times sort in send order), or "m:<message id>"."""
+
+    def __init__(self, identity: ProducerIdentity) -> None:
+        self._prefix = b"s:%x:%012x:" % (identity.producer_id, identity.epoch)
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def next_id(self, message_id: bytes | None) -> bytes:
+        if message_id is not None:
+            return b"m:" + message_id
+        with self._lock:
+            return self._prefix + b"%012x" % next(self._counter)
+
+
+# -- the core -----------------------------------------------------------------------------------
+class DelayedBatch:
+    """Delayed messages of one partition stored by one schedule.lua call; frozen once sent."""
+
+    __slots__ = (
+        "topic", "partition", "config", "messages", "opened", "deadline", "sealed",
+        "retry_at", "sent", "result", "error", "last_error", "waiter",
+    )  # fmt: skip
+
+    def __init__(self, config: TopicConfig, partition: int, now: float, timeout_s: float) -> None:
+        self.topic = config.name
+        self.partition = partition
+        self.config = config
+        self.messages: list[Scheduled] = []
+        self.opened = now
+        self.deadline = now + timeout_s
+        self.sealed = False
+        self.retry_at = 0.0
+        self.sent = False  # went on the wire at least once: a failure's outcome is unknown
+        self.result: ScheduleResult | None = None
+        self.error: BaseException | None = None
+        self.last_error: BaseException | None = None
+        self.waiter: Any = None  # the driver's completion signal
+
+    def metadata(self, index: int) -> RecordMetadata:
+        assert self.result is not None
+        flag = self.result.flags[index]
+        return RecordMetadata(
+            self.topic,
+            self.partition,
+            None,
+            duplicate=flag != "0",
+            schedule_id=self.messages[index].schedule_id.decode(errors="backslashreplace"),
+            deliver_at_ms=self.result.due_ms[index],
+        )
+
+
+class DelayedCore:
+    """The queues of delayed messages per partition and the decisions about them: which batches
+    to send now, what a reply means, when to retry or give up. No I/O, no locks (the thread
+    driver holds its lock around every call)."""
+
+    def __init__(self, settings: ProducerSettings, on_sealed: Callable[[Any], None]) -> None:
+        self.settings = settings
+        self._on_sealed = on_sealed  # keyless messages move on to the next partition
+        self._max_messages = settings.max_batch_messages
+        self._linger_s = settings.linger_ms / 1000
+        self._timeout_s = settings.delivery_timeout_ms / 1000
+        self._queues: dict[TopicPartition, deque[DelayedBatch]] = {}
+        self._in_flight: set[TopicPartition] = set()
+        self.buffered = 0
+        self.flush_requested = False
+        self.finished: list[DelayedBatch] = []  # for the driver to signal, outside its lock
+
+    def append(
+        self, config: TopicConfig, partition: int, message: Scheduled, now: float
+    ) -> tuple[DelayedBatch, int, bool]:
+        """Queue a message; (its batch, its index there, whether the batch was opened now)."""
+        queue = self._queues.setdefault((config.name, partition), deque())
+        opened = not queue or queue[-1].sealed
+        if opened:
+            queue.append(DelayedBatch(config, partition, now, self._timeout_s))
+        batch = queue[-1]
+        batch.messages.append(message)
+        self.buffered += 1
+        if len(batch.messages) >= self._max_messages:
+            self.seal(batch)
+        return batch, len(batch.messages) - 1, opened
+
+    def seal(self, batch: DelayedBatch) -> None:
+        """No more messages join this batch (full, or send() wants it out now)."""
+        if not batch.sealed:
+            batch.sealed = True
+            self._on_sealed(batch)
+
+    def pick(self, now: float) -> list[DelayedBatch]:
+        """The head batch of each partition with none on the wire, once it is full, lingered,
+        asked for (send(), flush()) or due for a retry."""
+        picked = []
+        for key, queue in self._queues.items():
+            if key in self._in_flight or not queue:
+                continue
+            head = queue[0]
+            ready = head.sealed or self.flush_requested or now - head.opened >= self._linger_s
+            if ready and head.retry_at <= now:
+                self.seal(head)
+                self._in_flight.add(key)
+                picked.append(head)
+        return picked
+
+    def next_deadline(self) -> float | None:
+        """When pick() or expire() has something to do next (monotonic seconds)."""
+        times = []
+        for key, queue in self._queues.items():
+            if queue and key not in self._in_flight:
+                head = queue[0]
+                times.append(min(head.deadline, max(head.retry_at, head.opened + self._linger_s)))
+        return min(times, default=None)
+
+    def steps(
+        self, keys: KeySpace, batches: list[DelayedBatch], identity: ProducerIdentity
+    ) -> list[Step]:
+        """The calls of one round: a schedule.lua call per batch (under the producer's current
+        epoch: a fenced instance is refused), then WAIT / WAITAOF for acks="replicas" /
+        "fsync" on the same connection."""
+        horizon = self.settings.delivery_timeout_ms + RETRY_MARGIN_MS
+        fenced = self.settings.idempotence is not None
+        out: list[Step] = [
+            calls.schedule(
+                keys,
+                b.topic,
+                b.partition,
+                b.messages,
+                identity=identity,
+                fenced=fenced,
+                retry_horizon_ms=horizon,
+            )  # fmt: skip
+            for b in batches
+        ]
+        s = self.settings
+        if s.acks == "replicas":
+            out.append(Command(("WAIT", s.min_replicas, s.ack_timeout_ms)))
+        elif s.acks == "fsync":
+            out.append(Command(("WAITAOF", 1, 0, s.ack_timeout_ms)))
+        for batch in batches:
+            batch.sent = True
+        return out
+
+    def settle(self, batches: list[DelayedBatch], results: list[Any], now: float) -> None:
+        """The replies of a round (steps()), in order."""
+        durable = (
+            self._durable_error(results[len(batches)]) if len(results) > len(batches) else None
+        )
+        for batch, result in zip(batches, results, strict=False):
+            if isinstance(result, ScheduleResult) and durable is None:
+                self._complete(batch, result)
+            elif isinstance(result, ScheduleResult):
+                self.failed(batch, durable, now)  # stored, maybe not on a replica: again
+            else:
+                self.failed(batch, result, now)
+
+    def _durable_error(self, reply: Any) -> BaseException | None:
+        if isinstance(reply, Exception):
+            return reply
+        count = int(reply[0] if isinstance(reply, list) else reply)
+        needed = self.settings.min_replicas if self.settings.acks == "replicas" else 1
+        if count >= needed:
+            return None
+        return NotEnoughReplicas(
+            f"acks={self.settings.acks}: {count} of {needed} acknowledged within "
+            f"{self.settings.ack_timeout_ms} ms"
+        )
+
+    def _complete(self, batch: DelayedBatch, result: ScheduleResult) -> None:
+        batch.result = result
+        self._done(batch)
+
+    def failed(self, batch: DelayedBatch, error: BaseException | None, now: float) -> None:
+        """A batch without an answer (or a retriable refusal) goes again after a backoff, the
+        same messages with the same ids, until its deadline; other refusals end it."""
+        self._in_flight.discard((batch.topic, batch.partition))
+        retriable = isinstance(error, (*NETWORK_ERRORS, redis.ResponseError)) or bool(
+            getattr(error, "retriable", False)
+        )
+        if retriable and now < batch.deadline:
+            batch.last_error = error
+            backoff_ms = self.settings.retry_backoff_ms * (0.5 + random.random())
+            batch.retry_at = now + min(1.0, backoff_ms / 1000)
+            return
+        batch.error = error if not retriable else self._timeout(batch, error)
+        self._done(batch)
+
+    def _timeout(self, batch: DelayedBatch, error: BaseException | None) -> DeliveryTimeout:
+        outcome = "may have been stored" if batch.sent else "were not stored"
+        return DeliveryTimeout(
+            f"{len(batch.messages)} delayed messages for {batch.topic}/{batch.partition} not "
+            f"acknowledged within delivery_timeout_ms={self.settings.delivery_timeout_ms} "
+            f"(they {outcome}); last error: {error!r}"
+        )
+
+    def expire(self, now: float) -> None:
+        """Fail the head batches (not on the wire) whose delivery timeout has passed."""
+        for key, queue in list(self._queues.items()):
+            while queue and key not in self._in_flight and queue[0].deadline <= now:
+                head = queue[0]
+                head.error = self._timeout(head, head.last_error)
+                self._done(head)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Close without sending what is queued (its callers learn it)."""
+        for key, queue in list(self._queues.items()):
+            for batch in [b for b in queue if key not in self._in_flight or b is not queue[0]]:
+                batch.error = error
+                self._done(batch)
+
+    def _done(self, batch: DelayedBatch) -> None:
+        key = (batch.topic, batch.partition)
+        self._in_flight.discard(key)
+        queue = self._queues[key]
+        queue.remove(batch)
+        if not queue:
+            del self._queues[key]
+        self.buffered -= len(batch.messages)
+        self.finished.append(batch)
+
+
+def encode_delayed(
+    encoder: MessageEncoder,
+    mode: str | None,
+    ids: ScheduleIds,
+    identity: ProducerIdentity,
+    config: TopicConfig,
+    when_: tuple[int | None, int | None],
+    value: bytes | str,
+    key: bytes | str | None,
+    headers: Mapping[str, str | bytes] | None,
+    message_id: bytes | str | int | None,
+    partition: int | None,
+) -> tuple[int, Scheduled]:
+    """Check, route and encode one delayed message (MessageEncoder: the same rules as any
+    message); (its partition, the message as schedule.lua takes it)."""
+    encoded = encoder.encode(config, value, key, headers, message_id, partition)
+    # In message_id mode the id (given or generated) names the message in the schedule too.
+    by_id = mode == "message_id" and encoded.layout.endswith("m")
+    schedule_id = ids.next_id(encoded.parts[-2] if by_id else None)
+    body = b"".join(encoded.parts)
+    delay_ms, at_ms = when_
+    scheduled = Scheduled(schedule_id, delay_ms, at_ms, identity.producer_id, encoded.layout, body)
+    return encoded.partition, scheduled

@@ -1,0 +1,239 @@
+"""The thread driver of delayed sends (the core and the guarantees: redisq.delayed)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from redisq import errors
+from redisq.delayed import (
+    DelayedBatch,
+    DelayedCore,
+    ScheduleIds,
+    check_when_types,
+    encode_delayed,
+    when,
+)
+from redisq.errors import ProducerClosed
+from redisq.protocol.produce import ProducerIdentity
+from redisq.records import RecordMetadata
+from redisq.scheduler import NETWORK_ERRORS, Scheduler
+from redisq.sending import MessageEncoder
+from redisq.settings import ProducerSettings
+from redisq.topic import TopicConfig
+
+if TYPE_CHECKING:
+    from redisq.handle import BrokerHandle
+
+log = logging.getLogger("redisq.producer")
+
+
+class _Waiter:
+    __slots__ = ("event", "callbacks")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.callbacks: list[tuple[int, Callable[[Any], None]]] | None = None
+
+
+class DelayedSender:
+    """The thread driver of delayed sends for one producer: a sender thread started by the
+    first delayed message, and a scheduler for the topics it sent to (so a producer alone
+    delivers what it scheduled while it lives). future_type builds the producer's future of
+    one message from (batch, index)."""
+
+    def __init__(
+        self,
+        broker: BrokerHandle,
+        settings: ProducerSettings,
+        encoder: MessageEncoder,
+        topic_config: Callable[[str], TopicConfig],
+        identity: Callable[[], ProducerIdentity],
+        future_type: Callable[[Any, int], Any],
+    ) -> None:
+        self._broker = broker
+        self._settings = settings
+        self._encoder = encoder
+        self._topic_config = topic_config
+        self._identity = identity
+        self._future_type = future_type
+        self._core = DelayedCore(settings, encoder.batch_sealed)
+        self._cond = threading.Condition(threading.Lock())
+        self._ids: ScheduleIds | None = None
+        self._thread: threading.Thread | None = None
+        self._scheduler: Scheduler | None = None
+        self._scheduled_topics: set[str] = set()
+        self._closing = False
+
+    def send_async(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+        delay_ms: int | None,
+        deliver_at: datetime | None,
+    ) -> Any:
+        """Queue a delayed message (bad input raises here, nothing queued); its future."""
+        batch, index = self._queue(
+            topic, value, key, headers, message_id, partition, delay_ms, deliver_at
+        )
+        return self._future_type(batch, index)
+
+    def send(self, *args: Any, timeout: float | None = None) -> RecordMetadata:
+        """Queue and send at once (no linger); block until acknowledged."""
+        batch, index = self._queue(*args)
+        with self._cond:
+            self._core.seal(batch)
+            self._cond.notify_all()
+        result: RecordMetadata = self._future_type(batch, index).result(timeout)
+        return result
+
+    def _queue(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+        delay_ms: int | None,
+        deliver_at: datetime | None,
+    ) -> tuple[DelayedBatch, int]:
+        check_when_types(delay_ms, deliver_at)
+        if self._closing:
+            raise ProducerClosed("send after close()")
+        if self._broker.is_cluster and self._settings.acks != "leader":
+            raise errors.UnsupportedServer(
+                f'delayed messages with acks="{self._settings.acks}" are not supported on Redis '
+                'Cluster yet; use acks="leader"'
+            )
+        config = self._topic_config(topic)
+        when_ = when(config, delay_ms, deliver_at, time.time() * 1000)
+        identity = self._identity()
+        if self._ids is None:
+            self._ids = ScheduleIds(identity)
+        p, scheduled = encode_delayed(
+            self._encoder, self._settings.idempotence, self._ids, identity, config, when_,
+            value, key, headers, message_id, partition,
+        )  # fmt: skip
+        with self._cond:
+            self._wait_for_buffer_space()
+            batch, index, opened = self._core.append(config, p, scheduled, time.monotonic())
+            if batch.waiter is None:
+                batch.waiter = _Waiter()
+            if opened or batch.sealed:
+                self._cond.notify_all()
+            self._start(topic)
+        return batch, index
+
+    def _wait_for_buffer_space(self) -> None:
+        limit = self._settings.max_buffered_messages
+        deadline = time.monotonic() + self._settings.max_block_ms / 1000
+        while self._core.buffered >= limit:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.RedisqError(
+                    f"buffer full ({limit} delayed messages) for "
+                    f"max_block_ms={self._settings.max_block_ms}"
+                )
+            self._cond.wait(remaining)
+
+    def _start(self, topic: str) -> None:
+        """(Lock held.) The sender thread, and the scheduler of this topic."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="redisq-delayed", daemon=True)
+            self._thread.start()
+        if topic not in self._scheduled_topics:
+            self._scheduled_topics.add(topic)
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self._broker)
+            self._scheduler.add_topic(topic)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send what is queued now; wait until it is acknowledged or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._core.flush_requested = True
+            self._cond.notify_all()
+            try:
+                while self._core.buffered > 0:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(
+                            f"flush: {self._core.buffered} delayed messages still unacknowledged"
+                        )
+                    self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+            finally:
+                self._core.flush_requested = False
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the sender thread and the scheduler (its leases are handed back)."""
+        try:
+            if self._thread is not None:
+                self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._core.fail_all(ProducerClosed("the producer was closed"))
+                self._cond.notify_all()
+            self._signal_finished()
+            if self._thread is not None:
+                self._thread.join(5)
+            if self._scheduler is not None:
+                self._scheduler.close()
+
+    def _signal_finished(self) -> None:
+        with self._cond:
+            finished, self._core.finished = self._core.finished, []
+        for batch in finished:
+            waiter: _Waiter = batch.waiter
+            waiter.event.set()
+            for index, callback in waiter.callbacks or ():
+                try:
+                    callback(self._future_type(batch, index))
+                except Exception:  # a user's callback must not stop the sender
+                    log.exception("send callback raised")
+
+    def _run(self) -> None:
+        core, keys = self._core, self._broker.keys
+        while True:
+            with self._cond:
+                batches = self._next_batches()
+            self._signal_finished()
+            if batches is None:
+                return
+            if not batches:
+                continue
+            steps = core.steps(keys, batches, self._identity())
+            try:
+                results = self._broker.scripts.execute(steps)
+            except Exception as exc:  # connection lost: every batch of the round goes again
+                if not isinstance(exc, NETWORK_ERRORS):
+                    log.exception("delayed send round failed")
+                results = [exc] * len(steps)
+            with self._cond:
+                core.settle(batches, list(results), time.monotonic())
+                self._cond.notify_all()
+            self._signal_finished()
+
+    def _next_batches(self) -> list[DelayedBatch] | None:
+        """(Lock held.) Wait for batches to send; None once closed and empty."""
+        core = self._core
+        while True:
+            now = time.monotonic()
+            core.expire(now)
+            batches = core.pick(now)
+            if batches or core.finished:
+                self._cond.notify_all()  # flush() waits for buffered to fall
+                return batches
+            if self._closing and core.buffered == 0:
+                return None
+            wake = core.next_deadline()
+            self._cond.wait(1.0 if wake is None else max(0.0, min(1.0, wake - now)))
