@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from redisq.coordinator import Coordinator, default_member_name
+from redisq.dispatch import transaction_inputs
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.idempotent import IdempotentHandler
 from redisq.ownership import TopicPartition
@@ -280,26 +281,18 @@ class Consumer(Coordinator):
     def _transaction_inputs(
         self, messages: Message | Iterable[Message], tx_id: str
     ) -> list[tuple[Lease, InputPosition]]:
-        """Acks that belong to transaction tx_id: the positions it would commit, and the leases
-        it must still hold when it does."""
+        """Acks that belong to transaction tx_id (see dispatch.transaction_inputs)."""
         if self.mode != "orderly":
             raise InvalidConfig("tx.ack() needs an orderly consumer (mode='orderly')")
-        by_tp: dict[TopicPartition, list[str]] = {}
-        for message in [messages] if isinstance(messages, Message) else messages:
-            by_tp.setdefault((message.topic, message.partition), []).append(message.offset)
-        inputs = []
-        now = time.monotonic()
         with self._lock:
-            for tp, offsets in by_tp.items():
-                reader = self._readers.get(tp)
+
+            def lost(tp: TopicPartition) -> bool:
                 owned = self.ownership.owned.get(tp)
-                if reader is None or owned is None or owned.lost:
-                    raise LeaseLost(f"{tp[0]}/{tp[1]} is not held by {self.name}")
-                moved = reader.transactional_ack(tx_id, offsets, now)
-                if moved is not None:
-                    position = InputPosition(self.group, tp[0], tp[1], moved[0], moved[1])
-                    inputs.append((reader.lease, position))
-        return inputs
+                return owned is None or owned.lost
+
+            return transaction_inputs(
+                self._readers, lost, self.group, messages, tx_id, time.monotonic()
+            )
 
     def _transaction_ended(self, position: InputPosition, committed: bool) -> None:
         with self._lock:

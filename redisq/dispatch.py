@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
+from redisq.errors import LeaseLost
 from redisq.protocol.group import Commit, Grant, Lease
+from redisq.protocol.transactions import InputPosition
 from redisq.records import Message, offset_parts
 
 
@@ -267,3 +269,27 @@ def lanes(messages: list[Message], count: int) -> list[list[Message]]:
         lane = zlib.crc32(message.key) if message.key is not None else i
         result[lane % count].append(message)
     return [lane for lane in result if lane]
+
+
+def transaction_inputs(
+    readers: Mapping[tuple[str, int], OrderlyPartition],
+    lost: Callable[[tuple[str, int]], bool],
+    group: str,
+    messages: Message | Iterable[Message],
+    tx_id: str,
+    now: float,
+) -> list[tuple[Lease, InputPosition]]:
+    """tx.ack (both consumer drivers): the input positions transaction tx_id would commit,
+    with the leases it must still hold then; LeaseLost for a partition no longer held."""
+    by_tp: dict[tuple[str, int], list[str]] = {}
+    for message in [messages] if isinstance(messages, Message) else messages:
+        by_tp.setdefault((message.topic, message.partition), []).append(message.offset)
+    inputs = []
+    for tp, offsets in by_tp.items():
+        reader = readers.get(tp)
+        if reader is None or lost(tp):
+            raise LeaseLost(f"{tp[0]}/{tp[1]} is no longer held by this consumer")
+        moved = reader.transactional_ack(tx_id, offsets, now)
+        if moved is not None:
+            inputs.append((reader.lease, InputPosition(group, tp[0], tp[1], *moved)))
+    return inputs

@@ -21,6 +21,7 @@ core) and the same protocol layer; only the I/O differs.
 from redisq.asyncio.broker import Broker, connect
 from redisq.asyncio.consumer import Consumer
 from redisq.asyncio.producer import Producer
+from redisq.asyncio.transactional import Transaction
 from redisq.errors import (
     DeliveryTimeout,
     InvalidConfig,
@@ -34,8 +35,10 @@ from redisq.errors import (
     RedisqError,
     TopicExists,
     TopicNotFound,
+    TransactionAborted,
 )
 from redisq.records import Message, RecordMetadata
+from redisq.transactions import TransactionResult, TxMessage, TxState
 
 __all__ = [
     "Broker",
@@ -55,5 +58,10 @@ __all__ = [
     "RedisqError",
     "TopicExists",
     "TopicNotFound",
+    "Transaction",
+    "TransactionAborted",
+    "TransactionResult",
+    "TxMessage",
+    "TxState",
     "connect",
 ]

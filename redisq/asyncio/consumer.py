@@ -21,12 +21,14 @@ from typing import Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition
+from redisq.dispatch import OrderlyPartition, transaction_inputs
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
 from redisq.policies import DeadLetter
 from redisq.protocol import group as calls
+from redisq.protocol.group import Lease
+from redisq.protocol.transactions import InputPosition
 from redisq.records import MalformedMessage, Message
 
 from .coordinator import Coordinator
@@ -214,6 +216,27 @@ class Consumer(Coordinator):
             except redis.RedisError as exc:
                 log.warning("%s: could not leave the group: %s", self.name, exc)
         await self.io.close()
+
+    # -- transactions (consume-transform-produce: Transaction.ack) --------------------------------
+    def _transaction_inputs(
+        self, messages: Message | Iterable[Message], tx_id: str
+    ) -> list[tuple[Lease, InputPosition]]:
+        """Acks that belong to transaction tx_id (see dispatch.transaction_inputs)."""
+        if self.mode != "orderly":
+            raise InvalidConfig("tx.ack() needs an orderly consumer (mode='orderly')")
+
+        def lost(tp: TopicPartition) -> bool:
+            owned = self.ownership.owned.get(tp)
+            return owned is None or owned.lost
+
+        return transaction_inputs(
+            self._readers, lost, self.group, messages, tx_id, time.monotonic()
+        )
+
+    def _transaction_ended(self, position: InputPosition, committed: bool) -> None:
+        reader = self._readers.get((position.topic, position.partition))
+        if reader is not None and reader.transaction is not None:
+            reader.transaction_ended(position.position, position.entries_read, committed)
 
     # -- the coordinator task --------------------------------------------------------------------
     # -- poll ------------------------------------------------------------------------------------

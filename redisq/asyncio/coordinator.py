@@ -15,7 +15,7 @@ import redis
 
 from redisq.coordinator import default_member_name
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import InvalidConfig, InvalidName, LeaseLost, TopicNotFound
+from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.ownership import OwnershipCore, TopicPartition
 from redisq.partition import PartitionIO, deserializer
@@ -25,6 +25,7 @@ from redisq.protocol.group import GroupRef
 from redisq.records import Message
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
+from redisq.transactions import settle_input
 
 from .partition import AsyncPartitionIO
 
@@ -209,6 +210,13 @@ class Coordinator:
             return
         if grant is None:
             return
+        if grant.pending_tx is not None:  # a transaction of the previous owner holds it
+            try:
+                grant = await self.broker.run(settle_input(self.broker.keys, grant))
+            except (RedisqError, redis.RedisError) as exc:
+                log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
+                await self.broker.scripts.run(calls.release_lease(self.broker.keys, grant.lease))
+                return
         reader = OrderlyPartition(grant)
         await self.io.load_parked(reader)
         self.ownership.granted(tp, grant, sent)

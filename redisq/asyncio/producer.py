@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -29,14 +29,16 @@ from redisq import errors
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
 from redisq.asyncio.delayed_sender import DelayedSender
+from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
-from redisq.errors import ProducerClosed, ProducerFenced, UnsupportedServer
+from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced, UnsupportedServer
 from redisq.keys import validate_name
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.sending import MessageEncoder, Round, script_for
 from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.topic import TopicConfig
+from redisq.transactions import TransactionResult
 
 if TYPE_CHECKING:
     from redisq.asyncio.handle import AsyncBrokerHandle as Broker
@@ -90,6 +92,9 @@ class Producer:
             on_sealed=self._encoder.batch_sealed,
         )
         self.identity: ProducerIdentity | None = None
+        if settings.transactional and name is None:
+            raise InvalidConfig("transactional=True needs a name: instances of a name fence")
+        self._transactions = Transactions(self) if settings.transactions else None
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
         self._refreshing: set[str] = set()
         self._deferred: deque[_Send] = deque()
@@ -142,6 +147,9 @@ class Producer:
                 self._keys, self.name, fence=self.settings.idempotence is not None
             )
         )
+        if self._transactions is not None:
+            await self._transactions.recover()
+            self._transactions.start()
         self._sender = asyncio.ensure_future(self._run())
 
     async def _check_acks_supported(self) -> None:
@@ -336,10 +344,34 @@ class Producer:
             core.flush_requested = False
         await self._delayed.flush(None if deadline is None else deadline - time.monotonic())
 
+    def transaction(self) -> Transaction:
+        """A transaction (Kafka style; `transactional=True`): `async with p.transaction() as
+        tx` commits on a clean exit and aborts on an exception (see redisq.Transaction)."""
+        return self._tx().begin()
+
+    async def send_in_transaction(
+        self, topic: str, value: bytes | str, key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None, partition: int | None = None,
+        *, local: Callable[..., Any],
+    ) -> TransactionResult:  # fmt: skip
+        """A half message (RocketMQ style; see redisq.Producer.send_in_transaction); local may
+        be a coroutine function."""
+        await self.start()
+        return await self._tx().send_half(topic, value, key, headers, message_id, partition, local)
+
+    def _tx(self) -> Transactions:
+        if self._transactions is None:
+            raise InvalidConfig("this producer is not transactional (transactional=True or "
+                                "transactional_group=...)")  # fmt: skip
+        return self._transactions
+
     async def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the sender task."""
         if self._closed:
             return
+        if self._transactions is not None:
+            await self._transactions.close()
         try:
             if self._core.fatal is None and (self._sender is not None or self._deferred):
                 await self.flush(timeout)

@@ -1,0 +1,319 @@
+"""Transactions of the asyncio producer: the operations of redisq.transactions driven by the
+event loop (see redisq.transactional for the thread driver and what each step promises).
+
+    async with broker.producer(name="enricher", transactional=True) as p:
+        async with p.transaction() as tx:
+            await tx.send("orders.enriched", value, key=key)
+            await tx.ack(consumer, messages)
+
+`local` and `check` may be plain functions or coroutine functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+
+from redisq import transactions as ops
+from redisq.errors import InvalidConfig, RedisqError, TransactionAborted
+from redisq.protocol import Operation
+from redisq.protocol.group import Lease
+from redisq.protocol.transactions import InputPosition
+from redisq.records import Message, RecordMetadata
+from redisq.topic import TopicConfig
+from redisq.transactional import as_state, background_tick_s
+from redisq.transactions import Staging, TransactionResult, TxState, Writer
+
+if TYPE_CHECKING:
+    from redisq.asyncio.consumer import Consumer
+    from redisq.asyncio.producer import Producer
+
+log = logging.getLogger("redisq.transactions")
+T = TypeVar("T")
+
+_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+async def _answer(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+class Transaction:
+    """One transaction of an asyncio transactional producer (see redisq.Transaction)."""
+
+    def __init__(self, transactions: Transactions, tx_id: str) -> None:
+        self.transaction_id = tx_id
+        self.state = "open"
+        self.records: tuple[RecordMetadata, ...] = ()
+        self._tx = transactions
+        self._producer = transactions.producer
+        settings = self._producer.settings
+        self._staging = Staging(settings.max_batch_messages, settings.max_batch_bytes)
+        self._written = 0
+        self._registered = False
+        self._configs: dict[str, TopicConfig] = {}
+        self._inputs: dict[tuple[str, str, int], tuple[Consumer, Lease, InputPosition]] = {}
+        self._writer: Writer | None = None  # taken once the producer has its identity
+
+    async def _writer_now(self) -> Writer:
+        if self._writer is None:
+            await self._producer.start()
+            self._writer = self._tx.writer()
+        return self._writer
+
+    def __repr__(self) -> str:
+        return f"<redisq.asyncio.Transaction {self.transaction_id} {self.state}>"
+
+    async def __aenter__(self) -> Transaction:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self.state != "open":
+            return
+        if exc_type is None:
+            await self.commit()
+            return
+        try:
+            await self.abort()
+        except Exception as abort_error:  # the block's exception is the one to see
+            log.warning("transaction %s: abort failed: %s", self.transaction_id, abort_error)
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        message_id: bytes | str | int | None = None,
+        partition: int | None = None,
+    ) -> None:
+        """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
+        self._check_open()
+        config = self._configs.get(topic) or await self._producer._topic_config(topic)
+        self._configs[topic] = config
+        encoded = self._producer._encoder.encode(config, value, key, headers, message_id, partition)
+        self._staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
+        if self._staging.full():
+            await self._stage()
+
+    async def ack(self, consumer: Consumer, messages: Message | Iterable[Message]) -> None:
+        """Commit these input messages' positions with the transaction (see
+        redisq.Transaction.ack)."""
+        self._check_open()
+        for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
+            key = (position.group, position.topic, position.partition)
+            self._inputs[key] = (consumer, lease, position)
+
+    async def commit(self) -> tuple[RecordMetadata, ...]:
+        self._check_open()
+        await self._stage()
+        inputs = [(lease, position) for _, lease, position in self._inputs.values()]
+        staged, writer = self._staging.staged, await self._writer_now()
+        try:
+            results = await self._tx.run(
+                lambda: ops.commit(
+                    self._tx.keys, self.transaction_id, writer, staged, inputs, self._configs.get
+                )
+            )
+        except TransactionAborted:
+            self._ended(committed=False)
+            raise
+        self.records = ops.records_of(staged, results, self._staging.order)
+        self._ended(committed=True)
+        return self.records
+
+    async def abort(self) -> None:
+        self._check_open()
+        positions = [position for _, _, position in self._inputs.values()]
+        writer = await self._writer_now()
+        await self._tx.run(lambda: ops.abort(self._tx.keys, self.transaction_id, writer, positions))
+        self._ended(committed=False)
+
+    async def _stage(self) -> None:
+        self._staging.seal_all()
+        new = self._staging.staged[self._written :]
+        if not new:
+            return
+        keys, tx_id, first = self._tx.keys, self.transaction_id, self._written
+        writer = await self._writer_now()
+        registered = self._registered
+
+        def stage() -> Operation[None]:
+            if not registered:
+                yield from ops.begin(keys, tx_id, writer)
+            yield from ops.stage(keys, tx_id, writer, new, first)
+
+        await self._tx.run(stage)
+        self._registered = True
+        self._written += len(new)
+
+    def _ended(self, *, committed: bool) -> None:
+        self.state = "committed" if committed else "aborted"
+        self._tx.current = None
+        for consumer, _, position in self._inputs.values():
+            consumer._transaction_ended(position, committed)
+
+    def _check_open(self) -> None:
+        if self.state != "open":
+            raise TransactionAborted(f"transaction {self.transaction_id} is {self.state}")
+
+
+class Transactions:
+    """The transactional side of one asyncio producer."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.keys = producer.broker.keys
+        self.settings = producer.settings
+        self.current: Transaction | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._token = secrets.token_hex(8)
+
+    def writer(self) -> Writer:
+        identity = self.producer.identity
+        assert identity is not None
+        group = self.settings.transactional_group
+        return Writer(
+            producer_id=identity.producer_id,
+            name=identity.name,
+            epoch=identity.epoch,
+            timeout_ms=self.settings.transaction_timeout_ms,
+            group=group,
+            first_check_ms=self.settings.check_first_ms if group else None,
+            exclusive=self.settings.transactional,
+        )
+
+    async def run(self, make: Callable[[], Operation[T]]) -> T:
+        """As redisq.transactional.Transactions.run, on the event loop."""
+        deadline = time.monotonic() + self.settings.delivery_timeout_ms / 1000
+        backoff = self.settings.retry_backoff_ms / 1000
+        while True:
+            try:
+                result: T = await self.producer.broker.run(make())
+                return result
+            except _NETWORK_ERRORS as exc:
+                if time.monotonic() + backoff >= deadline:
+                    raise RedisqError(
+                        f"transaction step failed for delivery_timeout_ms: {exc}; the sweeper "
+                        "or the producer's next instance completes what was decided"
+                    ) from exc
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    async def recover(self) -> None:
+        name = self.producer.name
+        if self.settings.transactional and name is not None:
+            recovered = await self.run(lambda: ops.recover(self.keys, name))
+            if recovered:
+                log.info("producer %s: settled its predecessor's transaction %s", name, recovered)
+
+    def begin(self) -> Transaction:
+        if not self.settings.transactional:
+            raise InvalidConfig("transaction() needs broker.producer(name=..., transactional=True)")
+        if self.current is not None:
+            raise InvalidConfig(
+                f"transaction {self.current.transaction_id} is still open: one at a time"
+            )
+        self.current = Transaction(self, ops.new_transaction_id())
+        return self.current
+
+    async def send_half(
+        self,
+        topic: str,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+        local: Callable[..., Any],
+    ) -> TransactionResult:
+        if self.settings.transactional_group is None:
+            raise InvalidConfig(
+                "send_in_transaction() needs broker.producer(transactional_group=..., check=...)"
+            )
+        if not callable(local):
+            raise TypeError(f"local must be callable, not {type(local).__name__}")
+        producer = self.producer
+        config = await producer._topic_config(topic)
+        encoded = producer._encoder.encode(config, value, key, headers, message_id, partition)
+        staging = Staging(1, 1 << 62)
+        staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
+        staging.seal_all()
+        tx_id, writer, keys = ops.new_transaction_id(), self.writer(), self.keys
+
+        def half() -> Operation[None]:
+            yield from ops.begin(keys, tx_id, writer)
+            yield from ops.stage(keys, tx_id, writer, staging.staged, 0)
+
+        await self.run(half)
+        try:
+            answer = await _answer(local, tx_id, ops.messages_of(staging.staged))
+            state = as_state(answer, "local")
+        except Exception:
+            log.exception("transaction %s: the local transaction raised: UNKNOWN", tx_id)
+            state = TxState.UNKNOWN
+        if state is TxState.COMMIT:
+            results = await self.run(
+                lambda: ops.commit(keys, tx_id, writer, staging.staged, [], {topic: config}.get)
+            )
+            records = ops.records_of(staging.staged, results, staging.order)
+            return TransactionResult(tx_id, state, records)
+        if state is TxState.ROLLBACK:
+            await self.run(lambda: ops.abort(keys, tx_id, writer, []))
+        return TransactionResult(tx_id, state)
+
+    # -- the background duties -------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._background())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def _background(self) -> None:
+        tick = background_tick_s(self.settings.check_interval_ms)
+        ttl = max(5_000, int(tick * 4000))
+        while True:
+            await asyncio.sleep(tick)
+            if self.producer._core.fatal is not None:
+                return
+            try:
+                await self.background_once(ttl)
+            except (RedisqError, *_NETWORK_ERRORS) as exc:
+                log.warning("transactions: %s", exc)
+
+    async def background_once(self, ttl_ms: int) -> None:
+        keys, token, broker = self.keys, self._token, self.producer.broker
+        if await broker.run(ops.take_lease(keys.transaction_sweeper(), token, ttl_ms)):
+            await broker.run(ops.sweep(keys))
+        group, check = self.settings.transactional_group, self.settings.check
+        if group is None or check is None:
+            return
+        if not await broker.run(ops.take_lease(keys.transaction_checker(group), token, ttl_ms)):
+            return
+        for due in await broker.run(ops.due_checks(keys, group)):
+            try:
+                answer = as_state(await _answer(check, due.record.tx_id, due.messages), "check")
+            except Exception:
+                log.exception("transaction %s: check raised: UNKNOWN", due.record.tx_id)
+                answer = TxState.UNKNOWN
+            state = await broker.run(
+                ops.answer_check(
+                    keys, due.record, answer, max_checks=self.settings.max_checks,
+                    interval_ms=self.settings.check_interval_ms,
+                )
+            )  # fmt: skip
+            log.info("transaction %s: check-back %s -> %s", due.record.tx_id, answer.value, state)
