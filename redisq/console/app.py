@@ -471,13 +471,30 @@ def group_page(console: Console, request: Request) -> Response:
     )
 
 
+def _parked_keys(
+    keys: Any, topic: str, group: str, partitions: int
+) -> Operation[dict[int, dict[bytes, str]]]:
+    """partition -> {parked key: offset of the dead letter that parked it}, pipelined (the
+    library's deadletter.parked_keys reads one partition per round trip)."""
+    replies = yield [
+        Command(("HGETALL", keys.parked_keys(topic, p, group))) for p in range(partitions)
+    ]
+    found = {}
+    for p, reply in enumerate(replies):
+        if reply and not isinstance(reply, Exception):
+            # Keys stay bytes: a message key need not be UTF-8.
+            items = reply.items() if isinstance(reply, dict) else zip(*[iter(reply)] * 2, strict=True)
+            found[p] = {bytes(k): text(v) for k, v in items}
+    return found
+
+
 def dead_letters_page(console: Console, request: Request) -> Response:
-    from redisq.deadletter import list_dead_letters, parked_keys
+    from redisq.deadletter import list_dead_letters
 
     topic, group = request.path_params["topic"], request.path_params["group"]
     snapshot = console.run(group_snapshot(console.broker.keys, topic, group))
     letters = list_dead_letters(console.broker, topic, group, count=500)
-    parked = parked_keys(console.broker, topic, group)
+    parked = console.run(_parked_keys(console.broker.keys, topic, group, len(snapshot.partitions)))
     return console.render(
         request,
         "deadletters.html",
