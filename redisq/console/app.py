@@ -483,7 +483,8 @@ def _parked_keys(
     for p, reply in enumerate(replies):
         if reply and not isinstance(reply, Exception):
             # Keys stay bytes: a message key need not be UTF-8.
-            items = reply.items() if isinstance(reply, dict) else zip(*[iter(reply)] * 2, strict=True)
+            flat = iter(reply)
+            items = reply.items() if isinstance(reply, dict) else zip(flat, flat, strict=True)
             found[p] = {bytes(k): text(v) for k, v in items}
     return found
 
