@@ -78,7 +78,7 @@ class Console:
         refresh_ms: int,
     ) -> None:
         self.broker = broker
-        self.url_shown = redact_url(url) if url else repr(broker.client)
+        self.url_shown = redact_url(url) if url else _describe_client(broker.client)
         self._secret_parts = _secret_parts(url)
         self.read_only = read_only
         self.refresh_ms = refresh_ms
@@ -190,6 +190,18 @@ class Console:
             return 502, "Server error", self.scrub(f"The server answered: {exc}")
         log.error("console page failed", exc_info=exc)
         return 500, "Internal error", "Internal error: the console logged the details."
+
+
+def _describe_client(client: Any) -> str:
+    """Where a client given without a url points: host, port and db only (its connection
+    options also hold the password)."""
+    options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if options and "host" in options:
+        return f"redis://{options['host']}:{options.get('port', 6379)}/{options.get('db', 0)}"
+    nodes = getattr(client, "get_primaries", None)
+    if nodes is not None:
+        return "cluster " + ", ".join(f"{n.host}:{n.port}" for n in nodes())
+    return type(client).__name__
 
 
 def _secret_parts(url: str | None) -> list[str]:
