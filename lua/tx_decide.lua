@@ -1,6 +1,7 @@
 --[[ tx_decide: commit, abort or give up on a transaction, once and for all.
 
 KEYS[1]  the transaction's record, a hash                <ns>:{~tx:<id>}:record
+KEYS[2]  the transaction's staged batches, a list        <ns>:{~tx:<id>}:messages
 ARGV[1]  the decision: "committed", "aborted" or "unresolved" (check-back gave up)
 ARGV[2]  the deciding producer's epoch ("" for recovery: the sweeper, a check-back, a new
          instance of the producer, which may only abort or complete what is open)
@@ -10,7 +11,8 @@ ARGV[4]  "1" when a check-back asked (the record counts the checks)
 The decision is written once and is final: the same decision again answers it again (a retry
 after a lost reply), another one is refused. Committed messages are then rolled forward into
 their partitions through the idempotent append (the client, per partition); aborted and
-unresolved ones never reach a partition.
+unresolved ones never reach a partition. A decided transaction's keys no longer expire (an open
+one's do, tx_stage.lua): they stay until it is carried out.
 
 Returns the decision now stored.
 Error replies
@@ -53,4 +55,6 @@ redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decided_ms', now_ms)
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[1], 'positions', ARGV[3])
 end
+redis.call('PERSIST', KEYS[1])
+redis.call('PERSIST', KEYS[2])
 return ARGV[1]

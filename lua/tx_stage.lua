@@ -9,6 +9,8 @@ ARGV[4]  the transactional group ("" for none)
 ARGV[5]  the staged batch, serialized by the client (topic, partition, layout, count, body)
 ARGV[6]  the batch's index in the transaction (0, 1, 2, ...)
 ARGV[7]  the producer's name ("" for an anonymous producer)
+ARGV[8]  ms until an undecided transaction's keys expire (past its deadline and check-backs:
+         what is never registered or never decided cannot stay behind)
 
 The record is created by the first batch: state "open", producer, name, epoch, group, created
 and deadline (server time). A batch is staged once: sent again after a lost reply, it is found
@@ -43,4 +45,7 @@ end
 if index > staged then
   return redis.error_reply('OUT_OF_ORDER expected=' .. staged)
 end
-return redis.call('RPUSH', KEYS[2], ARGV[5])
+local count = redis.call('RPUSH', KEYS[2], ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[8])
+redis.call('PEXPIRE', KEYS[2], ARGV[8])
+return count

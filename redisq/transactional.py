@@ -25,6 +25,7 @@ from redisq.protocol import Operation, run_operation
 from redisq.protocol.group import Lease
 from redisq.protocol.transactions import InputPosition
 from redisq.records import Message, RecordMetadata
+from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactions import (
     Staging,
@@ -53,6 +54,15 @@ def as_state(answer: Any, what: str) -> TxState:
         return TxState(answer)
     log.warning("%s answered %r, not a redisq.TxState: taken as UNKNOWN", what, answer)
     return TxState.UNKNOWN
+
+
+def expire_ms(settings: ProducerSettings) -> int:
+    """How long an undecided transaction's keys live: past its timeout (half messages: past the
+    last check-back), with an hour to spare for a sweeper or a checker to come by."""
+    if settings.transactional_group is not None:
+        checks = settings.check_first_ms + settings.check_interval_ms * settings.max_checks
+        return max(settings.transaction_timeout_ms, checks) + 3_600_000
+    return settings.transaction_timeout_ms + 3_600_000
 
 
 def background_tick_s(check_interval_ms: int) -> float:
@@ -171,9 +181,7 @@ class Transaction:
         keys, tx_id, writer, first = self._tx.keys, self.transaction_id, self._writer, self._written
 
         def stage() -> Operation[None]:
-            if not self._registered:
-                yield from ops.begin(keys, tx_id, writer)
-            yield from ops.stage(keys, tx_id, writer, new, first)
+            yield from ops.stage(keys, tx_id, writer, new, first, register=not self._registered)
 
         self._tx.run(stage)
         self._registered = True
@@ -213,6 +221,7 @@ class Transactions:
             group=group,
             first_check_ms=self.settings.check_first_ms if group else None,
             exclusive=self.settings.transactional,
+            expire_ms=expire_ms(self.settings),
         )
 
     def run(self, make: Callable[[], Operation[T]]) -> T:
@@ -277,8 +286,7 @@ class Transactions:
         tx_id, writer, keys = ops.new_transaction_id(), self.writer(), self.keys
 
         def half() -> Operation[None]:
-            yield from ops.begin(keys, tx_id, writer)
-            yield from ops.stage(keys, tx_id, writer, staging.staged, 0)
+            yield from ops.stage(keys, tx_id, writer, staging.staged, 0, register=True)
 
         self.run(half)
         try:

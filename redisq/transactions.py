@@ -181,41 +181,41 @@ class Writer:
     group: str | None = None
     first_check_ms: int | None = None
     exclusive: bool = False  # Kafka style: the name's one open transaction
+    # when an undecided transaction's keys expire: past its timeout (or its last check-back)
+    # with an hour to spare for the sweeper
+    expire_ms: int = 3_600_000
 
 
 # -- the producer's side -------------------------------------------------------------------------
-def begin(keys: KeySpace, tx_id: str, writer: Writer) -> Operation[None]:
-    """Register the transaction (ProducerFenced: a newer instance of the name started)."""
-    yield tx.register(
-        keys,
-        tx_id,
-        name=writer.name,
-        epoch=writer.epoch,
-        timeout_ms=writer.timeout_ms,
-        group=writer.group,
-        first_check_ms=writer.first_check_ms,
-        exclusive=writer.exclusive,
-    )
-
-
 def stage(
-    keys: KeySpace, tx_id: str, writer: Writer, batches: list[StagedBatch], first_index: int
+    keys: KeySpace,
+    tx_id: str,
+    writer: Writer,
+    batches: list[StagedBatch],
+    first_index: int,
+    *,
+    register: bool,
 ) -> Operation[None]:
-    """Stage batches first_index, first_index + 1, ... (each once, in order)."""
-    steps: list[Step] = [
-        tx.stage(
-            keys,
-            tx_id,
-            first_index + i,
-            batch,
-            producer_id=writer.producer_id,
-            name=writer.name,
-            epoch=writer.epoch,
-            timeout_ms=writer.timeout_ms,
-            group=writer.group,
-        )
-        for i, batch in enumerate(batches)
-    ]
+    """Stage batches first_index, first_index + 1, ... (each once, in order), in one round
+    trip, after registering the transaction (register: the first stage). ProducerFenced if a
+    newer instance of the name started: batches staged anyway are never decided and expire."""
+    steps: list[Step] = []
+    if register:
+        steps.append(
+            tx.register(
+                keys, tx_id, name=writer.name, epoch=writer.epoch, timeout_ms=writer.timeout_ms,
+                group=writer.group, first_check_ms=writer.first_check_ms,
+                exclusive=writer.exclusive,
+            )
+        )  # fmt: skip
+    for i, batch in enumerate(batches):
+        steps.append(
+            tx.stage(
+                keys, tx_id, first_index + i, batch, producer_id=writer.producer_id,
+                name=writer.name, epoch=writer.epoch, timeout_ms=writer.timeout_ms,
+                group=writer.group, expire_ms=writer.expire_ms,
+            )
+        )  # fmt: skip
     if steps:
         _raise_first((yield steps))
 
@@ -331,8 +331,10 @@ def apply_positions(
 
 
 def finish(keys: KeySpace, tx_id: str, name: str | None, group: str | None) -> Operation[None]:
-    yield tx.close_record(keys, tx_id)
-    yield tx.finish(keys, tx_id, name=name, group=group)
+    """Forget a carried-out transaction (every step idempotent: one round trip)."""
+    _raise_first(
+        (yield [*tx.close_record(keys, tx_id), tx.finish(keys, tx_id, name=name, group=group)])
+    )
 
 
 def resolve(keys: KeySpace, tx_id: str, *, abort_open: bool = True) -> Operation[str]:

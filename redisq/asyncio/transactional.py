@@ -28,7 +28,7 @@ from redisq.protocol.group import Lease
 from redisq.protocol.transactions import InputPosition
 from redisq.records import Message, RecordMetadata
 from redisq.topic import TopicConfig
-from redisq.transactional import as_state, background_tick_s
+from redisq.transactional import as_state, background_tick_s, expire_ms
 from redisq.transactions import Staging, TransactionResult, TxState, Writer
 
 if TYPE_CHECKING:
@@ -147,9 +147,7 @@ class Transaction:
         registered = self._registered
 
         def stage() -> Operation[None]:
-            if not registered:
-                yield from ops.begin(keys, tx_id, writer)
-            yield from ops.stage(keys, tx_id, writer, new, first)
+            yield from ops.stage(keys, tx_id, writer, new, first, register=not registered)
 
         await self._tx.run(stage)
         self._registered = True
@@ -189,6 +187,7 @@ class Transactions:
             group=group,
             first_check_ms=self.settings.check_first_ms if group else None,
             exclusive=self.settings.transactional,
+            expire_ms=expire_ms(self.settings),
         )
 
     async def run(self, make: Callable[[], Operation[T]]) -> T:
@@ -250,8 +249,7 @@ class Transactions:
         tx_id, writer, keys = ops.new_transaction_id(), self.writer(), self.keys
 
         def half() -> Operation[None]:
-            yield from ops.begin(keys, tx_id, writer)
-            yield from ops.stage(keys, tx_id, writer, staging.staged, 0)
+            yield from ops.stage(keys, tx_id, writer, staging.staged, 0, register=True)
 
         await self.run(half)
         try:

@@ -203,14 +203,18 @@ def stage(
     epoch: int,
     timeout_ms: int,
     group: str | None,
+    expire_ms: int,
 ) -> ScriptCall[int]:
     """tx_stage.lua: batch `index` of the transaction, where no consumer reads it (once)."""
     return ScriptCall(
         "tx_stage",
         (keys.transaction(tx_id), keys.transaction_messages(tx_id)),
-        (producer_id, epoch, timeout_ms, group or "", batch.serialize(), index, name or ""),
+        (
+            producer_id, epoch, timeout_ms, group or "", batch.serialize(), index, name or "",
+            expire_ms,
+        ),
         int,
-    )
+    )  # fmt: skip
 
 
 def decide(
@@ -226,7 +230,7 @@ def decide(
     open)."""
     return ScriptCall(
         "tx_decide",
-        (keys.transaction(tx_id),),
+        (keys.transaction(tx_id), keys.transaction_messages(tx_id)),
         (
             decision,
             "" if epoch is None else epoch,
