@@ -181,6 +181,12 @@ def test_messages_browse_find_and_views(local_broker: redisq.Broker) -> None:
         assert "7b 22 61 22" in page  # hex of '{"a"'
         _, _, page = client.get(f"/topics/events/messages?partition={meta.partition}&start=0")
         assert page.count('class="message ') == 1
+        ms = int(meta.offset.split("-")[0])
+        at = f"/topics/events/messages?partition={meta.partition}"
+        _, _, page = client.get(f"{at}&since={ms}&until={ms}")
+        assert f'data-offset="{meta.offset}"' in page
+        _, _, page = client.get(f"{at}&since={ms + 1}")
+        assert 'class="message ' not in page
         _, _, page = client.get("/topics/events/messages?key=nothing-like-it")
         assert 'class="message ' not in page
 
@@ -345,6 +351,49 @@ def test_exposure_beyond_loopback_needs_credentials() -> None:
     from redisq.console import main
 
     assert main(["--host", "0.0.0.0", "--url", "redis://127.0.0.1:1"]) == 2
+
+
+def test_command_serves_and_logs_no_password(valkey_server: ServerProcess) -> None:
+    """`main(argv)` as the CLI runs it, in its own process: the log names the server with its
+    password redacted; a server that is down at start is an error message, not a traceback."""
+    import subprocess
+    import sys
+
+    password = "pw-Lq93"
+    client = valkey_server.client()
+    client.acl_setuser("console-user", enabled=True, passwords=[f"+{password}"], commands=["+@all"],
+                       keys=["*"], channels=["*"])  # fmt: skip
+    url = f"redis://console-user:{password}@127.0.0.1:{valkey_server.port}/0"
+    port = free_port()
+    code = "import sys; from redisq.console import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, "--url", url, "--port", str(port), "--namespace", "cmd"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status, _, page = Client(f"http://127.0.0.1:{port}").get("/")
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        assert status == 200 and "console-user:***@" in page and password not in page
+    finally:
+        process.terminate()
+        _, log = process.communicate(timeout=30)
+        client.acl_deluser("console-user")
+    assert "console-user:***@127.0.0.1" in log and password not in log
+    down = subprocess.run(
+        [sys.executable, "-c", code, "--url", f"redis://u:{password}@127.0.0.1:1/0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert down.returncode == 1 and "cannot reach redis://u:***@127.0.0.1:1/0" in down.stderr
+    assert "Traceback" not in down.stderr and password not in down.stderr
 
 
 # -- errors --------------------------------------------------------------------------------------

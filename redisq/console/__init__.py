@@ -23,6 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from redisq.errors import InvalidConfig
 
 if TYPE_CHECKING:
@@ -186,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidConfig as exc:
         print(f"redisq console: {exc}", file=sys.stderr)
         return 2
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # the server is down
+        from redisq.connection import redact_url
+
+        shown = redact_url(args.url) if args.url else "REDIS_URL / the embedded server"
+        print(f"redisq console: cannot reach {shown}: {type(exc).__name__}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
     return 0
