@@ -455,3 +455,24 @@ def test_snapshot_costs_the_same_round_trips_at_any_size(broker: redisq.Broker) 
         assert all(len(g.partitions) == partitions or g.topic.startswith("t2-")
                    for g in snapshot.groups.values())  # fmt: skip
     assert trips == [3, 3]
+
+
+@pytest.mark.cluster
+def test_topic_page_names_the_cluster_node_of_each_partition(
+    valkey_cluster3: list[ServerProcess], namespace: str
+) -> None:
+    broker = redisq.connect(f"redis://127.0.0.1:{valkey_cluster3[0].port}", namespace=namespace)
+    try:
+        broker.create_topic("orders", partitions=12)
+        with running_console(broker) as base:
+            status, _, page = Client(base).get("/topics/orders")
+            assert status == 200
+            nodes = [row[5] for row in cells(page, "partitions-table")]
+        expected = []
+        for p in range(12):
+            node = broker.client.get_node_from_key(broker.keys.log("orders", p))
+            expected.append(f"{node.host}:{node.port}")
+        assert nodes == expected and len(set(nodes)) > 1
+    finally:
+        drop_namespace(broker)
+        broker.close()
