@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from redis.cluster import RedisCluster
 
-from redisq import admin, connection
+from redisq import admin, connection, transaction_admin
 from redisq.admin import MAX_PARTITIONS
 from redisq.errors import InvalidConfig, InvalidName, PartitionOutOfRange, TopicNotFound
 from redisq.keys import KeySpace, dead_letter_topic, validate_topic
@@ -22,6 +22,7 @@ from redisq.topic import (
     TopicConfig,
     TopicDescription,
 )
+from redisq.transaction_admin import TransactionInfo
 
 if TYPE_CHECKING:
     from redisq.consumer import Consumer
@@ -157,6 +158,14 @@ class Broker:
 
     def list_topics(self) -> list[str]:
         return self._run(admin.list_topics(self.keys))
+
+    def list_transactions(self, limit: int = 1000) -> list[TransactionInfo]:
+        """Open transactions, and decided ones not yet carried out, oldest first."""
+        return self._run(transaction_admin.list_transactions(self.keys, limit))
+
+    def sweep_transactions(self) -> int:
+        """Abort expired open transactions and finish decided ones now; how many were due."""
+        return self._run(transaction_admin.sweep_now(self.keys))
 
     def describe_topic(self, topic: str) -> TopicDescription:
         """Partitions with their lengths and first/last offsets (XINFO STREAM, pipelined), and

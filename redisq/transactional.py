@@ -15,29 +15,44 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
 
 from redisq import transactions as ops
+from redisq.accumulator import ProducerCore
 from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionAborted
+from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.group import Lease
+from redisq.protocol.produce import ProducerIdentity
 from redisq.protocol.transactions import InputPosition
 from redisq.records import Message, RecordMetadata
+from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactions import (
     Staging,
     TransactionResult,
+    TxConsumer,
     TxMessage,
     TxState,
     Writer,
 )
 
-if TYPE_CHECKING:
-    from redisq.consumer import Consumer
-    from redisq.producer import Producer
+
+class TxProducer(Protocol):
+    """What the transactions need of the thread producer (a Protocol: no import cycle)."""
+
+    name: str | None
+    settings: ProducerSettings
+    identity: ProducerIdentity
+    broker: BrokerHandle
+    _encoder: MessageEncoder
+    _core: ProducerCore
+
+    def _topic_config(self, topic: str) -> TopicConfig: ...
+
 
 log = logging.getLogger("redisq.transactions")
 T = TypeVar("T")
@@ -94,7 +109,7 @@ class Transaction:
         self._written = 0  # batches staged in Redis
         self._registered = False
         self._configs: dict[str, TopicConfig] = {}
-        self._inputs: dict[tuple[str, str, int], tuple[Consumer, Lease, InputPosition]] = {}
+        self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
         self._writer = transactions.writer()
 
     def __repr__(self) -> str:
@@ -132,7 +147,7 @@ class Transaction:
         if self._staging.full():
             self._stage()
 
-    def ack(self, consumer: Consumer, messages: Message | Iterable[Message]) -> None:
+    def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (consume-transform-
         produce): only if it commits, and only while `consumer` still holds their partitions;
         an aborted transaction makes the consumer read them again."""
@@ -201,7 +216,7 @@ class Transaction:
 class Transactions:
     """The transactional side of one thread producer."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: TxProducer) -> None:
         self.producer = producer
         self.keys = producer.broker.keys
         self.settings = producer.settings

@@ -29,7 +29,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from redisq.admin import create_topic, read_config, server_ms
 from redisq.errors import (
@@ -46,13 +46,23 @@ from redisq.protocol import transactions as tx
 from redisq.protocol.group import Grant, Lease
 from redisq.protocol.produce import LAYOUTS, BatchResult, encode_message
 from redisq.protocol.transactions import InputPosition, StagedBatch, TxRecord
-from redisq.records import RecordMetadata, decode_headers, encode_headers, offset_at
+from redisq.records import Message, RecordMetadata, decode_headers, encode_headers, offset_at
 from redisq.topic import TopicConfig
 
 log = logging.getLogger("redisq.transactions")
 
 # An open half message (RocketMQ style) is the check-back's: the sweeper looks again this late.
 _GROUP_RECHECK_MS = 60_000
+
+
+class TxConsumer(Protocol):
+    """What tx.ack needs of a consumer (either driver): see dispatch.transaction_inputs."""
+
+    def _transaction_inputs(
+        self, messages: Message | Iterable[Message], tx_id: str
+    ) -> list[tuple[Lease, InputPosition]]: ...
+
+    def _transaction_ended(self, position: InputPosition, committed: bool) -> None: ...
 
 
 class TxState(enum.StrEnum):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from redis.asyncio.cluster import RedisCluster
 
-from redisq import admin, connection
+from redisq import admin, connection, transaction_admin
 from redisq.asyncio.client import AsyncScripts, open_client, resolve_url, run_operation
 from redisq.errors import (
     InvalidConfig,
@@ -27,6 +27,7 @@ from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.scripts import is_fake
 from redisq.settings import ProducerOptions
 from redisq.topic import DEFAULT_PRODUCER_STATE_TTL_MS, TopicConfig, TopicDescription
+from redisq.transaction_admin import TransactionInfo
 
 if TYPE_CHECKING:
     from redisq.asyncio.consumer import Consumer
@@ -144,6 +145,14 @@ class Broker:
 
     async def list_topics(self) -> list[str]:
         return list(await self.run(admin.list_topics(self.keys)))
+
+    async def list_transactions(self, limit: int = 1000) -> list[TransactionInfo]:
+        """Open transactions, and decided ones not yet carried out, oldest first."""
+        return list(await self.run(transaction_admin.list_transactions(self.keys, limit)))
+
+    async def sweep_transactions(self) -> int:
+        """Abort expired open transactions and finish decided ones now; how many were due."""
+        return int(await self.run(transaction_admin.sweep_now(self.keys)))
 
     async def describe_topic(self, topic: str) -> TopicDescription:
         """See redisq.Broker.describe_topic."""

@@ -17,23 +17,40 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
 
 from redisq import transactions as ops
+from redisq.accumulator import ProducerCore
+from redisq.asyncio.handle import AsyncBrokerHandle
 from redisq.errors import InvalidConfig, RedisqError, TransactionAborted
 from redisq.protocol import Operation
 from redisq.protocol.group import Lease
+from redisq.protocol.produce import ProducerIdentity
 from redisq.protocol.transactions import InputPosition
 from redisq.records import Message, RecordMetadata
+from redisq.sending import MessageEncoder
+from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactional import as_state, background_tick_s, expire_ms
-from redisq.transactions import Staging, TransactionResult, TxState, Writer
+from redisq.transactions import Staging, TransactionResult, TxConsumer, TxState, Writer
 
-if TYPE_CHECKING:
-    from redisq.asyncio.consumer import Consumer
-    from redisq.asyncio.producer import Producer
+
+class TxProducer(Protocol):
+    """What the transactions need of the asyncio producer (a Protocol: no import cycle)."""
+
+    name: str | None
+    settings: ProducerSettings
+    identity: ProducerIdentity | None
+    broker: AsyncBrokerHandle
+    _encoder: MessageEncoder
+    _core: ProducerCore
+
+    async def start(self) -> None: ...
+
+    async def _topic_config(self, topic: str) -> TopicConfig: ...
+
 
 log = logging.getLogger("redisq.transactions")
 T = TypeVar("T")
@@ -60,7 +77,7 @@ class Transaction:
         self._written = 0
         self._registered = False
         self._configs: dict[str, TopicConfig] = {}
-        self._inputs: dict[tuple[str, str, int], tuple[Consumer, Lease, InputPosition]] = {}
+        self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
         self._writer: Writer | None = None  # taken once the producer has its identity
 
     async def _writer_now(self) -> Writer:
@@ -104,7 +121,7 @@ class Transaction:
         if self._staging.full():
             await self._stage()
 
-    async def ack(self, consumer: Consumer, messages: Message | Iterable[Message]) -> None:
+    async def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (see
         redisq.Transaction.ack)."""
         self._check_open()
@@ -167,7 +184,7 @@ class Transaction:
 class Transactions:
     """The transactional side of one asyncio producer."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: TxProducer) -> None:
         self.producer = producer
         self.keys = producer.broker.keys
         self.settings = producer.settings
