@@ -18,7 +18,7 @@ from typing import Any
 import click
 import redis
 
-from redisq.cli import audit, groups, lag, messages, server, topics
+from redisq.cli import audit, groups, lag, messages, server, topics, transactions
 from redisq.cli.common import (
     BROKEN_PIPE,
     EXIT_CODES,
@@ -119,6 +119,7 @@ for _command in (
     groups.group,
     lag.lag,
     groups.dlq,
+    transactions.transactions,
     audit.audit,
     server.server,
     server.demo,
