@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,17 @@ def local_broker(valkey_server: ServerProcess, namespace: str) -> Iterator[redis
     broker.close()
 
 
+@contextmanager
+def console(page: Page, broker: redisq.Broker, **options: Any) -> Iterator[str]:
+    """running_console, and the page left before the console stops (its live refresh would
+    otherwise fail against a stopped server)."""
+    with running_console(broker, **options) as base:
+        try:
+            yield base
+        finally:
+            page.goto("about:blank")
+
+
 def send(broker: redisq.Broker, topic: str, count: int, start: int = 0) -> None:
     with broker.producer(name="browser-test") as producer:
         for i in range(start, start + count):
@@ -126,7 +138,7 @@ def test_topic_counts_appear_and_move_live(
 ) -> None:
     local_broker.create_topic("orders", partitions=3)
     send(local_broker, "orders", 90)
-    with running_console(local_broker, refresh_ms=300) as base:
+    with console(page, local_broker, refresh_ms=300) as base:
         page.goto(base + "/")
         row = page.locator('#topics-table tr[data-topic="orders"]')
         expect(row.locator("td.messages")).to_have_text("90")
@@ -161,7 +173,7 @@ def test_dead_letter_is_replayed_and_disappears(
         consumer.run(handle, idle_timeout=0.5)
     source = local_broker.keys.log("payments", redisq.partition_for_key(b"order-4", 2))
     before = local_broker.client.xlen(source)
-    with running_console(local_broker) as base:
+    with console(page, local_broker) as base:
         page.goto(base + "/topics/payments/groups/billing/deadletters")
         rows = page.locator("#dead-letters tbody tr[data-offset]")
         expect(rows).to_have_count(1)
@@ -180,7 +192,7 @@ def test_group_lag_goes_to_zero_while_a_consumer_runs(
     local_broker.create_topic("orders", partitions=4)
     send(local_broker, "orders", 400)
     local_broker.consumer("orders", group="billing", name="registrar").close()  # joins only
-    with running_console(local_broker, refresh_ms=300) as base:
+    with console(page, local_broker, refresh_ms=300) as base:
         page.goto(base + "/topics/orders/groups/billing")
         expect(page.locator("#total-lag")).to_have_text("400")
         mark_page(page)
@@ -206,7 +218,7 @@ def test_group_lag_goes_to_zero_while_a_consumer_runs(
 
 def test_test_produce_answers_in_the_page(page: Page, local_broker: redisq.Broker) -> None:
     local_broker.create_topic("orders", partitions=4)
-    with running_console(local_broker) as base:
+    with console(page, local_broker) as base:
         page.goto(base + "/topics/orders")
         form = page.locator("#produce-form")
         form.get_by_label("Key").fill("order-42")
@@ -230,7 +242,7 @@ def test_read_only_console_has_no_buttons(page: Page, local_broker: redisq.Broke
     send(local_broker, "orders", 5)
     with local_broker.consumer("orders", group="billing", max_attempts=1) as consumer:
         consumer.run(lambda m: None, idle_timeout=0.3)
-    with running_console(local_broker, read_only=True) as base:
+    with console(page, local_broker, read_only=True) as base:
         for path in (
             "/",
             "/topics/orders",
@@ -250,7 +262,7 @@ def test_wrong_token_gets_401_and_a_post_without_csrf_403(
 ) -> None:
     allowed_errors += ["status of 401", "status of 403"]
     local_broker.create_topic("orders")
-    with running_console(local_broker, token="tok-3141") as base:
+    with console(page, local_broker, token="tok-3141") as base:
         response = page.goto(base + "/?token=wrong")
         assert response is not None and response.status == 401
         response = page.goto(base + "/topics/orders?token=tok-3141")
@@ -271,7 +283,7 @@ def test_main_pages_render(page: Page, local_broker: redisq.Broker, tmp_path: Pa
     send(local_broker, "orders", 20)
     with local_broker.producer(idempotence="message_id") as producer:
         producer.send("orders", b'{"refund": 7}', key="order-7", message_id="refund-7")
-    with running_console(local_broker) as base:
+    with console(page, local_broker) as base:
         page.goto(base + "/topics/orders/messages?message_id=refund-7&view=json")
         expect(page.locator("article.message")).to_have_count(1)
         expect(page.locator("article.message")).to_contain_text("refund-7")
