@@ -29,6 +29,7 @@ from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
 from redisq.protocol import run_operation
 from redisq.records import Message
+from redisq.scheduler import Scheduler
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
 from redisq.transactions import settle_input
@@ -107,6 +108,9 @@ class Coordinator:
         self._closed = False
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
+        # Consumers deliver their topics' delayed messages (redisq.scheduler), from the
+        # coordinator thread's start until it stops.
+        self._scheduler = Scheduler(broker, start=False)
 
         for topic in self.topics:
             broker.topic_config(topic, refresh=True)  # TopicNotFound before anything is written
@@ -133,6 +137,7 @@ class Coordinator:
         if membership.join():
             log.info("created group %s on %s (%s)", self.group, topic, self.mode)
         self._memberships[topic] = membership
+        self._scheduler.add_topic(topic)
         self.ownership.members_seen(topic, membership.heartbeat())
 
     def _refresh_metadata(self) -> None:
@@ -158,6 +163,7 @@ class Coordinator:
 
     def _coordinate(self) -> None:
         """Heartbeats, metadata, assignment, lease acquire/renew/hand-over; until close()."""
+        self._scheduler.start()
         while not self._coordinator_stop.is_set():
             try:
                 self._coordinate_once(time.monotonic())
@@ -167,6 +173,7 @@ class Coordinator:
                 log.exception("%s: coordinator error", self.name)
             self._wake.wait(self._tick_s)
             self._wake.clear()
+        self._scheduler.close()
 
     def _coordinate_once(self, now: float) -> None:
         with self._lock:

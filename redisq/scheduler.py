@@ -265,7 +265,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, broker: BrokerHandle, topics: Iterable[str] = (), *, all_topics: bool = False
+        self,
+        broker: BrokerHandle,
+        topics: Iterable[str] = (),
+        *,
+        all_topics: bool = False,
+        start: bool = True,
     ) -> None:
         self._broker = broker
         self._core = SchedulerCore(all_topics=all_topics)
@@ -276,8 +281,9 @@ class Scheduler:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        if all_topics or self._incoming:
-            self._start()
+        self._autostart = start  # False: nothing runs before start()
+        if start and (all_topics or self._incoming):
+            self.start()
 
     @property
     def delivered(self) -> int:
@@ -291,11 +297,15 @@ class Scheduler:
     def add_topic(self, topic: str) -> None:
         """Deliver this topic's delayed messages too (starts the thread on first use)."""
         self._incoming.append(topic)
-        self._start()
+        if self._autostart:
+            self.start()
         self._wake.set()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the thread (at once when created with topics, or by add_topic, unless
+        start=False was given)."""
         with self._lock:
+            self._autostart = True
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(
                     target=self._run, name="redisq-scheduler", daemon=True

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import redis
 
+from redisq.asyncio.scheduler import Scheduler
 from redisq.coordinator import default_member_name
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
@@ -98,6 +99,9 @@ class Coordinator:
         self._coordinator: asyncio.Task[None] | None = None
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
+        # Consumers deliver their topics' delayed messages (redisq.scheduler) while the
+        # coordinator task runs.
+        self._scheduler = Scheduler(broker, start=False)
 
     async def start(self) -> None:
         """Join the group (TopicNotFound, GroupModeMismatch now) and start the coordinator."""
@@ -124,6 +128,7 @@ class Coordinator:
         if created:
             log.info("created group %s on %s (%s)", self.group, topic, self.mode)
         self._start_ids[topic] = start_id
+        self._scheduler.add_topic(topic)
         await self._heartbeat(topic)
 
     async def _heartbeat(self, topic: str) -> None:
@@ -156,16 +161,20 @@ class Coordinator:
                     )
 
     async def _coordinate(self) -> None:
-        while True:
-            try:
-                await self._coordinate_once(time.monotonic())
-            except asyncio.CancelledError:
-                raise
-            except redis.RedisError as exc:
-                log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
-            except Exception:  # pragma: no cover - keep the member alive; the lease is the guard
-                log.exception("%s: coordinator error", self.name)
-            await asyncio.sleep(self._tick_s)
+        self._scheduler.start()
+        try:
+            while True:
+                try:
+                    await self._coordinate_once(time.monotonic())
+                except asyncio.CancelledError:
+                    raise
+                except redis.RedisError as exc:
+                    log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
+                except Exception:  # pragma: no cover - keep the member alive (the lease guards)
+                    log.exception("%s: coordinator error", self.name)
+                await asyncio.sleep(self._tick_s)
+        finally:
+            await self._scheduler.close()
 
     async def _coordinate_once(self, now: float) -> None:
         due = self.ownership.due(now)

@@ -35,7 +35,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, broker: AsyncBrokerHandle, topics: Iterable[str] = (), *, all_topics: bool = False
+        self,
+        broker: AsyncBrokerHandle,
+        topics: Iterable[str] = (),
+        *,
+        all_topics: bool = False,
+        start: bool = True,
     ) -> None:
         self._broker = broker
         self._core = SchedulerCore(all_topics=all_topics)
@@ -43,8 +48,9 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        if all_topics or self._incoming:
-            self._start()
+        self._autostart = start  # False: nothing runs before start()
+        if start and (all_topics or self._incoming):
+            self.start()
 
     @property
     def delivered(self) -> int:
@@ -58,10 +64,14 @@ class Scheduler:
     def add_topic(self, topic: str) -> None:
         """Deliver this topic's delayed messages too (starts the task on first use)."""
         self._incoming.append(topic)
-        self._start()
+        if self._autostart:
+            self.start()
         self._wake.set()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the task (at once when created with topics, or by add_topic, unless
+        start=False was given); needs a running event loop."""
+        self._autostart = True
         if self._task is None and not self._closed:
             self._task = asyncio.ensure_future(self._run())
 
@@ -71,8 +81,13 @@ class Scheduler:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        # A flag, not task.cancel(): wait_for() in Python 3.11 can swallow a cancellation that
+        # comes as the event it waits for is set.
+        self._wake.set()
+        try:
+            await asyncio.wait_for(task, 5)
+        except Exception as exc:  # stuck on a silent server: cancelled by wait_for
+            log.warning("scheduler did not stop cleanly: %r", exc)
         try:
             await run_operation(release_round(self._core, self._broker.keys), self._broker.scripts)
         except Exception as exc:  # the leases expire by themselves
@@ -87,7 +102,7 @@ class Scheduler:
     async def _run(self) -> None:
         core, keys = self._core, self._broker.keys
         failing = False
-        while True:
+        while not self._closed:
             while self._incoming:
                 core.add_topic(self._incoming.popleft())
             wait: Any
