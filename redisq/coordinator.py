@@ -32,7 +32,7 @@ from redisq.records import Message
 from redisq.scheduler import Scheduler
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
-from redisq.transactions import settle_input
+from redisq.tx_ops import settle_input
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle

@@ -9,7 +9,7 @@ from redisq.admin import server_ms
 from redisq.keys import KeySpace
 from redisq.protocol import Command, Operation, text
 from redisq.protocol import transactions as tx
-from redisq.transactions import sweep
+from redisq.tx_ops import sweep
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 
-from redisq import transactions as ops
+from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionAborted
 from redisq.handle import BrokerHandle
@@ -38,6 +38,9 @@ from redisq.transactions import (
     TxMessage,
     TxState,
     Writer,
+    messages_of,
+    new_transaction_id,
+    records_of,
 )
 
 
@@ -177,7 +180,7 @@ class Transaction:
         except TransactionAborted:
             self._ended(committed=False)
             raise
-        self.records = ops.records_of(staged, results, self._staging.order)
+        self.records = records_of(staged, results, self._staging.order)
         self._ended(committed=True)
         return self.records
 
@@ -272,7 +275,7 @@ class Transactions:
             raise InvalidConfig(
                 f"transaction {self.current.transaction_id} is still open: one at a time"
             )
-        self.current = Transaction(self, ops.new_transaction_id())
+        self.current = Transaction(self, new_transaction_id())
         return self.current
 
     # -- RocketMQ style ----------------------------------------------------------------------------
@@ -298,14 +301,14 @@ class Transactions:
         staging = Staging(1, 1 << 62)
         staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
         staging.seal_all()
-        tx_id, writer, keys = ops.new_transaction_id(), self.writer(), self.keys
+        tx_id, writer, keys = new_transaction_id(), self.writer(), self.keys
 
         def half() -> Operation[None]:
             yield from ops.stage(keys, tx_id, writer, staging.staged, 0, register=True)
 
         self.run(half)
         try:
-            state = as_state(local(tx_id, ops.messages_of(staging.staged)), "local")
+            state = as_state(local(tx_id, messages_of(staging.staged)), "local")
         except Exception:
             log.exception("transaction %s: the local transaction raised: UNKNOWN", tx_id)
             state = TxState.UNKNOWN
@@ -313,7 +316,7 @@ class Transactions:
             results = self.run(
                 lambda: ops.commit(keys, tx_id, writer, staging.staged, [], {topic: config}.get)
             )
-            records = ops.records_of(staging.staged, results, staging.order)
+            records = records_of(staging.staged, results, staging.order)
             return TransactionResult(tx_id, state, records)
         if state is TxState.ROLLBACK:
             self.run(lambda: ops.abort(keys, tx_id, writer, []))

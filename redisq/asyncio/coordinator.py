@@ -26,7 +26,7 @@ from redisq.protocol.group import GroupRef
 from redisq.records import Message
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
-from redisq.transactions import settle_input
+from redisq.tx_ops import settle_input
 
 from .partition import AsyncPartitionIO
 

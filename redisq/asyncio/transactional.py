@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 
-from redisq import transactions as ops
+from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.asyncio.handle import AsyncBrokerHandle
 from redisq.errors import InvalidConfig, RedisqError, TransactionAborted
@@ -34,7 +34,16 @@ from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactional import as_state, background_tick_s, expire_ms
-from redisq.transactions import Staging, TransactionResult, TxConsumer, TxState, Writer
+from redisq.transactions import (
+    Staging,
+    TransactionResult,
+    TxConsumer,
+    TxState,
+    Writer,
+    messages_of,
+    new_transaction_id,
+    records_of,
+)
 
 
 class TxProducer(Protocol):
@@ -143,7 +152,7 @@ class Transaction:
         except TransactionAborted:
             self._ended(committed=False)
             raise
-        self.records = ops.records_of(staged, results, self._staging.order)
+        self.records = records_of(staged, results, self._staging.order)
         self._ended(committed=True)
         return self.records
 
@@ -238,7 +247,7 @@ class Transactions:
             raise InvalidConfig(
                 f"transaction {self.current.transaction_id} is still open: one at a time"
             )
-        self.current = Transaction(self, ops.new_transaction_id())
+        self.current = Transaction(self, new_transaction_id())
         return self.current
 
     async def send_half(
@@ -263,14 +272,14 @@ class Transactions:
         staging = Staging(1, 1 << 62)
         staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
         staging.seal_all()
-        tx_id, writer, keys = ops.new_transaction_id(), self.writer(), self.keys
+        tx_id, writer, keys = new_transaction_id(), self.writer(), self.keys
 
         def half() -> Operation[None]:
             yield from ops.stage(keys, tx_id, writer, staging.staged, 0, register=True)
 
         await self.run(half)
         try:
-            answer = await _answer(local, tx_id, ops.messages_of(staging.staged))
+            answer = await _answer(local, tx_id, messages_of(staging.staged))
             state = as_state(answer, "local")
         except Exception:
             log.exception("transaction %s: the local transaction raised: UNKNOWN", tx_id)
@@ -279,7 +288,7 @@ class Transactions:
             results = await self.run(
                 lambda: ops.commit(keys, tx_id, writer, staging.staged, [], {topic: config}.get)
             )
-            records = ops.records_of(staging.staged, results, staging.order)
+            records = records_of(staging.staged, results, staging.order)
             return TransactionResult(tx_id, state, records)
         if state is TxState.ROLLBACK:
             await self.run(lambda: ops.abort(keys, tx_id, writer, []))
