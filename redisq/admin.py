@@ -128,16 +128,20 @@ def add_partitions(keys: KeySpace, topic: str, partitions: int) -> Operation[Top
 def describe_topic(
     keys: KeySpace, topic: str, nodes: dict[int, str] | None = None
 ) -> Operation[TopicDescription]:
-    """Partitions with their lengths and first/last offsets: one pipelined XINFO STREAM per
-    partition, one round trip in all. nodes: partition -> the cluster node serving it."""
+    """Partitions with their lengths and first/last offsets, and their delayed messages (how
+    many are scheduled, when the next is due): XINFO STREAM, ZCARD and the first of the
+    schedule per partition, pipelined, one round trip in all. nodes: partition -> the cluster
+    node serving it."""
     config = yield from topic_config(keys, topic)
-    infos = yield [
-        Command(("XINFO", "STREAM", keys.log(topic, p)), fields) for p in range(config.partitions)
-    ]
+    n = config.partitions
+    steps: list[Step] = [Command(("XINFO", "STREAM", keys.log(topic, p)), fields) for p in range(n)]
+    steps += [Command(("ZCARD", keys.scheduled(topic, p)), int) for p in range(n)]
+    steps += [Command(("ZRANGE", keys.scheduled(topic, p), 0, 0, "WITHSCORES")) for p in range(n)]
+    replies = yield steps
+    _raise_first(replies)
+    infos, scheduled, firsts = replies[:n], replies[n : 2 * n], replies[2 * n :]
     partitions = []
     for p, info in enumerate(infos):
-        if isinstance(info, Exception):
-            raise info
         first, last = info.get("first-entry"), info.get("last-entry")
         partitions.append(
             PartitionInfo(
@@ -146,9 +150,19 @@ def describe_topic(
                 first_offset=optional_text(first[0]) if first else None,
                 last_offset=optional_text(last[0]) if last else None,
                 node=(nodes or {}).get(p),
+                scheduled=scheduled[p],
+                next_due_ms=_first_score(firsts[p]),
             )
         )
     return TopicDescription(config=config, partitions=partitions)
+
+
+def _first_score(reply: Any) -> int | None:
+    """The score of ZRANGE ... 0 0 WITHSCORES (RESP2 [member, score], RESP3 [[member, score]])."""
+    if not reply:
+        return None
+    pair = reply[0] if isinstance(reply[0], list | tuple) else reply
+    return int(float(pair[1]))
 
 
 def list_topics(keys: KeySpace) -> Operation[list[str]]:

@@ -56,6 +56,8 @@ class PartitionInfo:
     first_offset: str | None
     last_offset: str | None
     node: str | None = None
+    scheduled: int = 0  # delayed messages waiting in the partition's schedule
+    next_due_ms: int | None = None  # when the next of them is due (server clock, ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +72,8 @@ class TopicDescription:
     @property
     def total_messages(self) -> int:
         return sum(p.length for p in self.partitions)
+
+    @property
+    def total_scheduled(self) -> int:
+        """Delayed messages not yet due (or not yet delivered)."""
+        return sum(p.scheduled for p in self.partitions)

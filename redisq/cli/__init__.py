@@ -18,7 +18,7 @@ from typing import Any
 import click
 import redis
 
-from redisq.cli import audit, groups, lag, messages, server, topics, transactions
+from redisq.cli import audit, groups, lag, messages, scheduler, server, topics, transactions
 from redisq.cli.common import (
     BROKEN_PIPE,
     EXIT_CODES,
@@ -121,6 +121,7 @@ for _command in (
     groups.dlq,
     transactions.transactions,
     audit.audit,
+    scheduler.scheduler,
     server.server,
     server.demo,
     server.completion,

@@ -172,6 +172,12 @@ def _lines(source: IO[bytes]) -> Iterator[bytes]:
     help="When a message counts as written.",
 )
 @click.option("--producer-name", help="Name the producer (fences older instances of it).")
+@click.option(
+    "--delay-ms",
+    type=click.IntRange(min=1),
+    help="Deliver every message this many ms after it is stored (delayed messages; a consumer "
+    "of the topic, the producer or `redisq scheduler` appends them when due).",
+)
 @click.option("--progress", is_flag=True, help="Show progress even when stderr is not a tty.")
 @connection_options
 def produce(
@@ -182,6 +188,7 @@ def produce(
     idempotence: str,
     acks: str,
     producer_name: str | None,
+    delay_ms: int | None,
     progress: bool,
 ) -> int:
     """Send lines from stdin (or --file) to TOPIC, one message per line."""
@@ -214,7 +221,7 @@ def produce(
                         key, value = line.split(separator, 1)
                     futures.append(
                         producer.send_async(
-                            topic, value, key=key or None, headers=static_headers or None
+                            topic, value, key or None, static_headers or None, delay_ms=delay_ms
                         )
                     )
                     if len(futures) >= 10_000:

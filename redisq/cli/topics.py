@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import click
 
 from redisq.cli.common import FAILED, OK, connect, connection_options, print_table, say, warn
@@ -60,7 +62,8 @@ def create(
 @click.argument("name")
 @connection_options
 def describe(name: str) -> int:
-    """Partitions of topic NAME: lengths, first and last offsets (and nodes of a cluster)."""
+    """Partitions of topic NAME: lengths, first and last offsets, delayed messages scheduled
+    and when the next is due (and nodes of a cluster)."""
     with connect() as broker:
         description = broker.describe_topic(name)
         cluster = broker.is_cluster
@@ -69,15 +72,25 @@ def describe(name: str) -> int:
         f"topic {c.name} (id {c.topic_id}): {c.partitions} partitions, "
         f"retention_ms={c.retention_ms or 'none'}, "
         f"retention_messages={c.retention_messages or 'none'}, "
-        f"dedup_window_ms={c.dedup_window_ms}, {description.total_messages:,} messages"
+        f"dedup_window_ms={c.dedup_window_ms}, {description.total_messages:,} messages, "
+        f"{description.total_scheduled:,} scheduled"
     )
     rows = [
-        (p.partition, p.length, p.first_offset, p.last_offset) + ((p.node,) if cluster else ())
+        (p.partition, p.length, p.first_offset, p.last_offset, p.scheduled, _utc(p.next_due_ms))
+        + ((p.node,) if cluster else ())
         for p in description.partitions
     ]
-    headers = ["partition", "length", "first offset", "last offset"] + (["node"] if cluster else [])
+    headers = ["partition", "length", "first offset", "last offset", "scheduled", "next due"]
+    headers += ["node"] if cluster else []
     print_table(rows, headers)
     return OK
+
+
+def _utc(ms: int | None) -> str:
+    """A due time (server clock, ms) as an ISO-8601 UTC time to the millisecond."""
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 @topic.command("list")
