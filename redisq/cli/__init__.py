@@ -22,6 +22,7 @@ from redisq.cli import audit, groups, lag, messages, scheduler, server, topics, 
 from redisq.cli.common import (
     BROKEN_PIPE,
     EXIT_CODES,
+    FAILED,
     INTERRUPTED,
     NOT_FOUND,
     USAGE,
@@ -32,11 +33,12 @@ from redisq.cli.common import (
     settings,
 )
 from redisq.connection import redact_url
-from redisq.errors import GroupNotFound, RedisqError, TopicNotFound
+from redisq.errors import GroupNotFound, RedisqError, TopicExists, TopicInUse, TopicNotFound
 
 __all__ = ["Progress", "build_parser", "cli", "main", "print_table"]
 
 _NOT_FOUND = (TopicNotFound, GroupNotFound)
+_REFUSED = (TopicExists, TopicInUse)  # refused by the state of the data (GroupInUse is one)
 
 
 class RedisqGroup(click.Group):
@@ -52,6 +54,8 @@ class RedisqGroup(click.Group):
             raise
         except _NOT_FOUND as exc:
             return _fail(NOT_FOUND, f"{type(exc).__name__}: {exc}")
+        except _REFUSED as exc:
+            return _fail(FAILED, f"{type(exc).__name__}: {exc}")
         except RedisqError as exc:
             return _fail(USAGE, f"{type(exc).__name__}: {exc}")
         except (redis.ConnectionError, redis.TimeoutError, ConnectionRefusedError) as exc:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import re
+import select
 import signal
 import sys
 import threading
@@ -26,6 +28,7 @@ POLL_MAX = 10_000  # messages per poll() (the consumer takes at most 100,000 per
 # surrogates that stand for bytes that are not UTF-8.
 _ESCAPED = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\udc80-\udcff]")
 _SHORT = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_JSON_LINE_BREAKS = re.compile("[\x85\u2028\u2029]")
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -35,13 +38,13 @@ def _escape_char(match: re.Match[str]) -> str:
     code = ord(ch)
     if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8
         return f"\\x{code - 0xDC00:02x}"
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}"  # \\x80-\\xff: raw bytes
 
 
 def escape(raw: bytes) -> str:
     """Text for one field of one line: UTF-8 as it is; backslash, tab, newlines and other
-    control or line-separating characters escaped (\\\\, \\t, \\n, \\r, \\xNN, \\uNNNN); bytes that
-    are not UTF-8 as \\xNN. Unescaping gives the bytes back."""
+    control or line-separating characters escaped (\\\\, \\t, \\n, \\r, \\x00-\\x7f, \\uNNNN); bytes
+    that are not UTF-8 as \\x80-\\xff. Unescaping gives the bytes back."""
     return _ESCAPED.sub(_escape_char, raw.decode("utf-8", errors="surrogateescape"))
 
 
@@ -115,8 +118,8 @@ class Formatter:
             "value": _json_bytes(message.value),
         }
         text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
-        # JSON lets U+2028/U+2029 stand unescaped; line-splitting readers would cut there.
-        return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+        # JSON lets NEL, U+2028 and U+2029 stand unescaped; line-splitting readers cut there.
+        return _JSON_LINE_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 # -- produce -------------------------------------------------------------------------------------
@@ -429,10 +432,24 @@ def _consume_group(
                         idle_since = time.monotonic()
                     elif timeout is not None and time.monotonic() - idle_since >= timeout:
                         break
+                    elif stream is not None and _reader_gone(stream):
+                        raise BrokenPipeError(errno.EPIPE, "the reader of stdout went away")
         finally:
             if temporary:
                 _delete_temporary(broker, topic, group)
     return printed
+
+
+def _reader_gone(stream: IO[str]) -> bool:
+    """stdout is a pipe whose reader has exited (consume | head): poll() reports POLLERR on
+    its write end. Checked while idle, so a consumer with nothing more to write stops too,
+    as it would at its next write."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), 0)  # no events asked: only errors and hang-ups come
+        return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (captured), no poll()
+        return False
 
 
 def _delete_temporary(broker: Any, topic: str, group: str) -> None:
