@@ -1,0 +1,318 @@
+"""The console's pages (GET) and actions (POST): each reads or acts through the batched
+operations and the library calls, and hands a template its values (see app.py for how they are
+served, guarded and turned into error pages)."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from redisq import metrics
+from redisq.console import actions, browse, charts, producers
+from redisq.console.app import Console, form_value
+from redisq.console.snapshot import group_snapshot, topic_snapshot
+from redisq.group import assign_partitions
+from redisq.protocol import Command, Operation, text
+
+
+# -- pages ---------------------------------------------------------------------------------------
+def overview(console: Console, request: Request) -> Response:
+    snapshot = console.snapshot()
+    user = [t for t in snapshot.topics.values() if t.dead_letter_of is None]
+    dead = [t for t in snapshot.topics.values() if t.dead_letter_of is not None]
+    rates = {name: console.history.throughput(name) for name in snapshot.topics}
+    return console.render(
+        request,
+        "overview.html",
+        {
+            "active": "topics",
+            "snapshot": snapshot,
+            "topics": user,
+            "dead_letter_topics": dead,
+            "rates": rates,
+            "spark": charts.sparkline,
+        },
+    )
+
+
+def groups_page(console: Console, request: Request) -> Response:
+    snapshot = console.snapshot()
+    return console.render(request, "groups.html", {"active": "groups", "snapshot": snapshot})
+
+
+def topic_page(console: Console, request: Request) -> Response:
+    name = request.path_params["topic"]
+    snapshot = console.run(topic_snapshot(console.broker.keys, name, nodes=console.nodes()))
+    topic = snapshot.topics[name]
+    chart = charts.line_chart(
+        {"messages/s": console.history.throughput(name)}, title="Throughput", unit="messages/s"
+    )
+    groups = [snapshot.groups[(name, g)] for g in topic.groups if (name, g) in snapshot.groups]
+    return console.render(
+        request,
+        "topic.html",
+        {"active": "topics", "topic": topic, "groups": groups, "chart": chart},
+    )
+
+
+def messages_page(console: Console, request: Request) -> Response:
+    name = request.path_params["topic"]
+    config = console.broker.topic_config(name, refresh=True)
+    q = request.query_params
+    view = q.get("view", "text") if q.get("view") in browse.VIEWS else "text"
+    partition = int(q.get("partition") or 0)
+    count = int(q.get("count") or 50)
+    result: browse.Page | browse.Search
+    title = ""
+    if q.get("message_id"):
+        result = browse.find_by_message_id(console.broker, name, q["message_id"].encode())
+        title = f"Message id {q['message_id']!r}: searched {result.where}"
+    elif q.get("key"):
+        key_partition = int(q["key_partition"]) if q.get("key_partition") else None
+        result = browse.find_by_key(
+            console.broker, name, q["key"].encode(), count=count, partition=key_partition
+        )
+        title = f"Key {q['key']!r}: {len(result.messages)} found in {result.where}"
+    else:
+        if q.get("since") or q.get("until"):
+            since = browse.parse_bound(q.get("since"), time=True)
+            until = browse.parse_bound(q.get("until"), time=True)
+            if until and not until.startswith("("):
+                until = until.split("-")[0] + "-18446744073709551615"  # the whole millisecond
+            start, end = since or ("-" if until else None), until
+        else:
+            start, end = browse.parse_bound(q.get("start")), browse.parse_bound(q.get("end"))
+        result = browse.browse(console.broker, name, partition, start=start, end=end, count=count)
+    rendered = [(m, browse.render_value(m.value, view)) for m in result.messages]
+    return console.render(
+        request,
+        "messages.html",
+        {
+            "active": "topics",
+            "config": config,
+            "q": q,
+            "view": view,
+            "partition": partition,
+            "count": count,
+            "result": result,
+            "rendered": rendered,
+            "title": title,
+            "view_query": urlencode(
+                [(k, v) for k, v in q.multi_items() if k not in ("view", "notice", "fragment")]
+            ),
+        },
+    )
+
+
+def _pending_entries(
+    console: Console, topic: str, group: str, partitions: list[int]
+) -> dict[int, list[dict[str, Any]]]:
+    """Up to 20 pending entries of each partition that has some (one pipelined round trip)."""
+    keys = console.broker.keys
+
+    def read() -> Operation[dict[int, list[dict[str, Any]]]]:
+        replies = yield [
+            Command(("XPENDING", keys.log(topic, p), group, "-", "+", 20)) for p in partitions
+        ]
+        found = {}
+        for p, reply in zip(partitions, replies, strict=True):
+            if isinstance(reply, Exception) or not reply:
+                continue
+            rows = []
+            for entry in reply:
+                if isinstance(entry, dict):
+                    rows.append(
+                        {
+                            "offset": text(entry.get("message_id")),
+                            "consumer": text(entry.get("consumer")),
+                            "idle_ms": int(entry.get("time_since_delivered", 0)),
+                            "deliveries": int(entry.get("times_delivered", 0)),
+                        }
+                    )
+                else:
+                    offset, consumer, idle, deliveries = entry
+                    rows.append(
+                        {
+                            "offset": text(offset),
+                            "consumer": text(consumer),
+                            "idle_ms": int(idle),
+                            "deliveries": int(deliveries),
+                        }
+                    )
+            found[p] = rows
+        return found
+
+    return console.run(read()) if partitions else {}
+
+
+def group_page(console: Console, request: Request) -> Response:
+    topic, group = request.path_params["topic"], request.path_params["group"]
+    snapshot = console.run(group_snapshot(console.broker.keys, topic, group))
+    ordered = sorted(name for name, _ in snapshot.members)
+    count = len(snapshot.partitions)
+    assignment = {name: assign_partitions(count, ordered, name) for name in ordered}
+    holding: dict[str, list[int]] = {}
+    for p in snapshot.partitions:
+        if p.holder:
+            holding.setdefault(p.holder, []).append(p.partition)
+    pending = _pending_entries(
+        console, topic, group, [p.partition for p in snapshot.partitions if p.pending]
+    )
+    chart = charts.line_chart(console.history.lag(topic, group), title="Lag", unit="messages")
+    return console.render(
+        request,
+        "group.html",
+        {
+            "active": "groups",
+            "g": snapshot,
+            "assignment": assignment,
+            "holding": holding,
+            "pending": pending,
+            "chart": chart,
+            "reset_targets": actions.RESET_TARGETS,
+        },
+    )
+
+
+def _parked_keys(
+    keys: Any, topic: str, group: str, partitions: int
+) -> Operation[dict[int, dict[bytes, str]]]:
+    """partition -> {parked key: offset of the dead letter that parked it}, pipelined (the
+    library's deadletter.parked_keys reads one partition per round trip)."""
+    replies = yield [
+        Command(("HGETALL", keys.parked_keys(topic, p, group))) for p in range(partitions)
+    ]
+    found = {}
+    for p, reply in enumerate(replies):
+        if reply and not isinstance(reply, Exception):
+            # Keys stay bytes: a message key need not be UTF-8.
+            flat = iter(reply)
+            items = reply.items() if isinstance(reply, dict) else zip(flat, flat, strict=True)
+            found[p] = {bytes(k): text(v) for k, v in items}
+    return found
+
+
+def dead_letters_page(console: Console, request: Request) -> Response:
+    from redisq.deadletter import list_dead_letters
+
+    topic, group = request.path_params["topic"], request.path_params["group"]
+    snapshot = console.run(group_snapshot(console.broker.keys, topic, group))
+    letters = list_dead_letters(console.broker, topic, group, count=500)
+    parked = console.run(_parked_keys(console.broker.keys, topic, group, len(snapshot.partitions)))
+    return console.render(
+        request,
+        "deadletters.html",
+        {"active": "groups", "g": snapshot, "letters": letters, "parked": parked},
+    )
+
+
+def producers_page(console: Console, request: Request) -> Response:
+    named = producers.named_producers(console.broker)
+    return console.render(request, "producers.html", {"active": "producers", "named": named})
+
+
+def topic_producers_page(console: Console, request: Request) -> Response:
+    name = request.path_params["topic"]
+    config = console.broker.topic_config(name, refresh=True)
+    named = producers.named_producers(console.broker)
+    states = producers.topic_producers(console.broker, name, named)
+    buckets = producers.dedup_buckets(console.broker, name)
+    return console.render(
+        request,
+        "topic_producers.html",
+        {
+            "active": "producers",
+            "config": config,
+            "states": states,
+            "buckets": buckets,
+            "named": [n for n in named if name in n.topics],
+        },
+    )
+
+
+def metrics_page(console: Console, request: Request) -> Response:
+    families = metrics.collect(console.broker)
+    return PlainTextResponse(metrics.exposition(families), media_type=metrics.CONTENT_TYPE)
+
+
+def login_page(console: Console, request: Request) -> Response:
+    return console.render(
+        request, "login.html", {"active": "", "next": request.query_params.get("next", "/")}
+    )
+
+
+# -- actions -------------------------------------------------------------------------------------
+def produce_action(
+    console: Console, request: Request, form: list[tuple[str, str]]
+) -> tuple[str, str, str]:
+    topic = request.path_params["topic"]
+    meta = console.producers.send(
+        topic,
+        form_value(form, "value"),
+        key=form_value(form, "key"),
+        headers=actions.parse_headers(form_value(form, "headers")),
+        message_id=form_value(form, "message_id").strip(),
+    )
+    answer = (
+        f"Sent: partition {meta.partition}, offset {meta.offset or 'unknown'}, "
+        f"duplicate: {'yes' if meta.duplicate else 'no'}"
+    )
+    return f"/topics/{quote(topic)}", "ok", answer
+
+
+def replay_action(
+    console: Console, request: Request, form: list[tuple[str, str]]
+) -> tuple[str, str, str]:
+    topic, group = request.path_params["topic"], request.path_params["group"]
+    offsets = [v for k, v in form if k == "offset" and v]
+    if not offsets and form_value(form, "all") != "1":
+        raise ValueError("choose dead letters to replay, or replay all")
+    count = actions.replay(console.broker, topic, group, offsets or None)
+    return (
+        f"/topics/{quote(topic)}/groups/{quote(group)}/deadletters",
+        "ok",
+        f"Replayed {count} dead letter{'s' if count != 1 else ''} to {topic}",
+    )
+
+
+def release_action(
+    console: Console, request: Request, form: list[tuple[str, str]]
+) -> tuple[str, str, str]:
+    topic, group = request.path_params["topic"], request.path_params["group"]
+    key = form_value(form, "key")
+    count = actions.release(console.broker, topic, group, key)
+    return (
+        f"/topics/{quote(topic)}/groups/{quote(group)}/deadletters",
+        "ok" if count else "warn",
+        f"Released key {key!r} on {count} partition(s)" if count else f"Key {key!r} was not parked",
+    )
+
+
+def reset_action(
+    console: Console, request: Request, form: list[tuple[str, str]]
+) -> tuple[str, str, str]:
+    topic, group = request.path_params["topic"], request.path_params["group"]
+    raw_partitions = form_value(form, "partitions").replace(" ", "")
+    partitions = [int(p) for p in raw_partitions.split(",") if p] if raw_partitions else None
+    request_ = actions.ResetRequest(
+        target=form_value(form, "target"),
+        value=form_value(form, "value"),
+        partitions=partitions,
+        dry_run=form_value(form, "dry_run") == "1",
+    )
+    results = actions.reset(console.broker, topic, group, request_)
+    lines = "; ".join(
+        f"p{r.partition}: {r.before or 'unread'} -> {r.after} (lag {r.lag_before} -> {r.lag_after}"
+        + (f", {r.pending_dropped} pending dropped" if r.pending_dropped else "")
+        + ")"
+        for r in results
+    )
+    verb = "Would reset (dry run)" if request_.dry_run else "Reset"
+    return (
+        f"/topics/{quote(topic)}/groups/{quote(group)}",
+        "ok",
+        f"{verb} to {request_.target}: {lines}",
+    )
