@@ -40,6 +40,7 @@ from redisq.errors import (
 )
 from redisq.protocol.produce import BatchResult
 from redisq.records import RecordMetadata, offset_at
+from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 
 PartitionKey = tuple[str, int]
@@ -179,6 +180,7 @@ class ProducerCore:
         # vain until the delivery timeout.
         self.cautious = False
         self.last_error: BaseException | None = None
+        self.stats = ProducerStats()
 
     # -- queuing ---------------------------------------------------------------------------------
     def state(self, key: PartitionKey) -> PartitionState:
@@ -214,6 +216,7 @@ class ProducerCore:
         batch.count = index + 1
         batch.nbytes += size
         self.buffered += 1
+        self.stats.sent += 1
         if index + 1 >= settings.max_batch_messages:
             self.seal(state)
         return batch, index, opened
@@ -286,6 +289,8 @@ class ProducerCore:
             for batch in pending:
                 batch.in_flight = True
                 batch.attempts += 1
+                if batch.attempts > 1:
+                    self.stats.retries += 1
             work += pending
         return work
 
@@ -465,6 +470,17 @@ class ProducerCore:
 
     def _finish(self, batch: Batch) -> None:
         batch.finished = True
+        stats = self.stats
+        if batch.error is None:
+            stats.acknowledged += batch.count
+            if batch.dup_flags is not None:
+                stats.duplicates += batch.dup_flags.count("1")
+            elif batch.duplicate:
+                stats.duplicates += batch.count
+        else:
+            stats.failed += batch.count
+            if isinstance(batch.error, ProducerFenced):
+                stats.fenced += batch.count
         self._on_finished(batch)
 
 

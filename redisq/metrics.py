@@ -111,6 +111,11 @@ PRODUCER_COUNTERS = {
     "retries": ("redisq_producer_batch_retries_total", "Batches sent again."),
     "fenced": ("redisq_producer_fenced_total", "Batches refused: ProducerFenced."),
     "failed": ("redisq_producer_messages_failed_total", "Messages failed (delivery timeout...)."),
+    "transactions_committed": (
+        "redisq_producer_transactions_committed_total",
+        "Transactions committed.",
+    ),
+    "transactions_aborted": ("redisq_producer_transactions_aborted_total", "Transactions aborted."),
 }
 
 

@@ -40,6 +40,7 @@ from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.sending import MessageEncoder, Round, script_for
 from redisq.settings import ProducerOptions, ProducerSettings
+from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 from redisq.transactional import LocalFn, Transaction, Transactions
 from redisq.transactions import TransactionResult
@@ -172,6 +173,11 @@ class Producer:
         self._sender.start()
         if self._transactions is not None:
             self._transactions.start()
+
+    @property
+    def stats(self) -> ProducerStats:
+        """What this producer counted (redisq.metrics reads it)."""
+        return self._core.stats
 
     @property
     def producer_id(self) -> int:

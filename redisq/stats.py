@@ -1,4 +1,4 @@
-"""What a consumer counts (the library's own numbers; redisq's metrics read them)."""
+"""What producers and consumers count (the library's own numbers; redisq.metrics reads them)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,17 @@ class ConsumerStats:
     @property
     def fenced_acks(self) -> int:  # the name before commits replaced acks in orderly mode
         return self.fenced_commits
+
+
+@dataclass
+class ProducerStats:
+    """Counted by the producer's core (both drivers) and its transactions."""
+
+    sent: int = 0  # messages accepted by send / send_async
+    acknowledged: int = 0  # messages the broker answered as stored (duplicates included)
+    duplicates: int = 0  # of which answered as written before (nothing written now)
+    retries: int = 0  # batches sent again (lost replies, gaps, redirects)
+    fenced: int = 0  # messages failed by ProducerFenced
+    failed: int = 0  # messages failed (delivery timeout, fencing, refused)
+    transactions_committed: int = 0
+    transactions_aborted: int = 0

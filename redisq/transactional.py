@@ -207,6 +207,11 @@ class Transaction:
 
     def _ended(self, *, committed: bool) -> None:
         self.state = "committed" if committed else "aborted"
+        stats = self._producer._core.stats
+        if committed:
+            stats.transactions_committed += 1
+        else:
+            stats.transactions_aborted += 1
         self._tx.current = None
         for consumer, _, position in self._inputs.values():
             consumer._transaction_ended(position, committed)
@@ -317,9 +322,11 @@ class Transactions:
                 lambda: ops.commit(keys, tx_id, writer, staging.staged, [], {topic: config}.get)
             )
             records = records_of(staging.staged, results, staging.order)
+            producer._core.stats.transactions_committed += 1
             return TransactionResult(tx_id, state, records)
         if state is TxState.ROLLBACK:
             self.run(lambda: ops.abort(keys, tx_id, writer, []))
+            producer._core.stats.transactions_aborted += 1
         return TransactionResult(tx_id, state)
 
     # -- the background duties ---------------------------------------------------------------------

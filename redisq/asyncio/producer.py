@@ -37,6 +37,7 @@ from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.sending import MessageEncoder, Round, script_for
 from redisq.settings import ProducerOptions, ProducerSettings
+from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 from redisq.transactions import TransactionResult
 
@@ -108,6 +109,11 @@ class Producer:
             broker, settings, self._encoder, self._topic_config, self._topics,
             lambda: self.identity,
         )  # fmt: skip
+
+    @property
+    def stats(self) -> ProducerStats:
+        """What this producer counted (redisq.metrics reads it)."""
+        return self._core.stats
 
     @property
     def producer_id(self) -> int | None:
