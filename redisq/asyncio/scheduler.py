@@ -61,6 +61,10 @@ class Scheduler:
     def topics(self) -> list[str]:
         return sorted({*self._core.topics, *self._incoming})
 
+    def held(self) -> list[tuple[str, int]]:
+        """The partitions whose scheduler lease this scheduler holds (as of its last call)."""
+        return self._core.held()
+
     def add_topic(self, topic: str) -> None:
         """Deliver this topic's delayed messages too (starts the task on first use)."""
         self._incoming.append(topic)

@@ -1,0 +1,462 @@
+"""Delayed messages (DESIGN §12) on real servers, thread API: acknowledged when stored, appended
+once when due (never before, by the server's clock), per-key order of equal due times, re-sends
+of one schedule id before and after delivery, schedulers killed (SIGKILL) and running side by
+side, plain messages never held back, bad input refused with nothing stored, describe_topic and
+delete_topic. Tests taking `broker` run on each backend (valkey, valkey-cluster, redis,
+valkey-cluster3): every key of a partition shares its hash tag, so schedule.lua and
+deliver_due.lua run in one slot (a cluster refuses any undeclared key).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import redis
+
+import redisq
+from redisq.errors import InvalidConfig, LeaseLost, ProducerFenced
+from redisq.protocol import ScriptCall
+from redisq.protocol import schedule as calls
+from redisq.protocol.produce import ProducerIdentity, encode_message
+from redisq.scheduler import Scheduler
+
+PARTITIONS = 3
+
+
+def read_all(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
+    partitions = broker.describe_topic(topic).config.partitions
+    return [m for p in range(partitions) for m in broker.read(topic, p)]
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def delivered_values(broker: redisq.Broker, topic: str) -> Counter[bytes]:
+    return Counter(m.value for m in read_all(broker, topic))
+
+
+def schedule_keys(broker: redisq.Broker, topic: str, partitions: int) -> list[bytes]:
+    keys = []
+    for p in range(partitions):
+        keys += [
+            k
+            for k in broker.client.scan_iter(match=broker.keys.partition_pattern(topic, p))
+            if not k.endswith(b":log")
+        ]
+    return keys
+
+
+# -- acknowledged, then delivered once when due ------------------------------------------------
+
+
+def test_delivered_once_and_never_before_due(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    at = datetime.now(UTC) + timedelta(milliseconds=700)
+    with broker.producer() as producer:
+        futures = [
+            producer.send_async("orders", b"d%d" % i, key=f"k{i % 7}", delay_ms=300 + 3 * i)
+            for i in range(100)
+        ]
+        futures.append(producer.send_async("orders", b"at", key="k0", deliver_at=at))
+        metas = [f.result(timeout=30) for f in futures]
+        # Acknowledged = stored in the schedule: no offset yet, nothing in the partitions.
+        assert all(m.offset is None and not m.duplicate for m in metas)
+        assert all(m.schedule_id and m.deliver_at_ms for m in metas)
+        assert metas[-1].deliver_at_ms == int(at.timestamp() * 1000)
+        wait_for(lambda: len(read_all(broker, "orders")) >= 101, what="delivery")
+        time.sleep(0.3)  # a second delivery would come within a few ticks
+    messages = read_all(broker, "orders")
+    assert Counter(m.value for m in messages) == Counter([b"d%d" % i for i in range(100)] + [b"at"])
+    due = {(m.partition, m.schedule_id): m.deliver_at_ms for m in metas}
+    by_value = {f"d{i}".encode(): metas[i] for i in range(100)} | {b"at": metas[-1]}
+    for message in messages:
+        meta = by_value[message.value]
+        assert message.partition == meta.partition
+        # Both clocks are the server's: the stream ID's time and the due time.
+        assert message.timestamp_ms >= due[(meta.partition, meta.schedule_id)], message
+        assert message.producer_id is not None and message.sequence is None
+    assert broker.describe_topic("orders").total_scheduled == 0
+
+
+def test_a_consumer_delivers_what_a_closed_producer_scheduled(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    with broker.producer() as producer:
+        for i in range(30):
+            producer.send_async("orders", b"m%d" % i, key=f"k{i}", delay_ms=200)
+    assert broker.describe_topic("orders").total_scheduled == 30  # its scheduler stopped
+    got: list[bytes] = []
+    with broker.consumer("orders", group="g") as consumer:
+        deadline = time.monotonic() + 20
+        while len(got) < 30 and time.monotonic() < deadline:
+            for message in consumer.poll(timeout=0.2):
+                got.append(message.value)
+                consumer.ack(message)
+    assert sorted(got) == sorted(b"m%d" % i for i in range(30))
+    # The consumer handed its scheduler leases back when it closed.
+    assert not [k for k in schedule_keys(broker, "orders", PARTITIONS) if b"schedlease" in k]
+
+
+def test_equal_due_times_keep_send_order_per_key(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    at = datetime.now(UTC) + timedelta(milliseconds=600)
+    # Small batches: the order must hold across many schedule.lua calls, not only inside one.
+    with broker.producer(max_batch_messages=7) as producer:
+        for i in range(300):
+            producer.send_async("orders", b"%d" % i, key=f"k{i % 3}", deliver_at=at)
+        for i in range(100):  # the same delay, sent in order
+            producer.send_async("orders", b"same-%d" % i, key="same", delay_ms=400)
+        producer.flush()
+        wait_for(lambda: len(read_all(broker, "orders")) >= 400, what="delivery")
+    by_key: dict[bytes | None, list[bytes]] = {}
+    for message in read_all(broker, "orders"):
+        by_key.setdefault(message.key, []).append(message.value)
+    for k in range(3):
+        assert by_key[f"k{k}".encode()] == [b"%d" % i for i in range(k, 300, 3)]
+    assert by_key[b"same"] == [b"same-%d" % i for i in range(100)]
+
+
+def test_a_delayed_message_does_not_hold_back_others(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=1)
+    with broker.producer() as producer:
+        later = producer.send("orders", b"later", key="k", delay_ms=60_000)
+        plain = [producer.send("orders", b"now-%d" % i, key="k") for i in range(3)]
+        soon = producer.send("orders", b"soon", key="k", delay_ms=100)
+        wait_for(lambda: len(read_all(broker, "orders")) >= 4, what="the short delay")
+    assert [m.value for m in read_all(broker, "orders")] == [b"now-0", b"now-1", b"now-2", b"soon"]
+    assert [m.offset for m in plain] == [m.offset for m in read_all(broker, "orders")[:3]]
+    [partition] = broker.describe_topic("orders").partitions
+    assert partition.scheduled == 1 and partition.next_due_ms == later.deliver_at_ms
+    assert soon.deliver_at_ms is not None and soon.deliver_at_ms < later.deliver_at_ms
+
+
+# -- re-sends of one schedule id ---------------------------------------------------------------
+
+
+def _scheduled(sid: bytes, value: bytes, delay_ms: int = 1) -> calls.Scheduled:
+    body = b"".join(encode_message(b"k", value, None, None))
+    return calls.Scheduled(sid, delay_ms, None, 7, "kv", body)
+
+
+def test_schedule_stores_an_id_once_before_and_after_delivery(broker: redisq.Broker) -> None:
+    """The scripts themselves: a re-sent batch is "already scheduled" while it waits and
+    "already delivered" (a tombstone) while its sender may still retry, then forgotten."""
+    broker.create_topic("orders", partitions=1)
+    keys, run = broker.keys, broker.scripts.run
+    batch = [_scheduled(b"s:7:1:%012x" % i, b"v%d" % i) for i in range(3)]
+    sender = ProducerIdentity(7, 1)
+
+    def schedule(horizon_ms: int) -> calls.ScheduleResult:
+        call = calls.schedule(
+            keys, "orders", 0, batch, identity=sender, fenced=True, retry_horizon_ms=horizon_ms
+        )
+        return run(call)
+
+    def deliver(token: str = "t") -> calls.Delivered:
+        call = calls.deliver_due(
+            keys, "orders", 0, token, limit=100, retention_messages=0, retention_ms=0,
+            lease_ttl_ms=2000,
+        )  # fmt: skip
+        return run(call)
+
+    first = schedule(1500)
+    assert first.flags == "000" and all(first.due_ms)
+    again = schedule(1500)
+    assert again.flags == "111" and again.due_ms == first.due_ms
+    time.sleep(0.01)
+    assert deliver().count == 3
+    assert deliver().count == 0
+    after = schedule(1500)
+    assert after.flags == "222" and after.due_ms == (None, None, None)
+    assert [m.value for m in broker.read("orders", 0)] == [b"v0", b"v1", b"v2"]
+    # Another scheduler cannot run the partition while the lease is held.
+    with pytest.raises(LeaseLost):
+        deliver("other")
+    # Past the sender's retry horizon the tombstones go (bounded memory).
+    time.sleep(1.6)
+    deliver()
+    assert broker.client.zcard(keys.scheduled_delivered("orders", 0)) == 0
+
+
+def _lose_first_reply(
+    broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch, before_raising: Callable[[], None]
+) -> list[int]:
+    """The first schedule.lua call runs, then its reply is lost (ConnectionError), after
+    before_raising() returns; the producer must send the same batch again."""
+    real = broker.scripts.execute
+    lost: list[int] = []
+
+    def execute(steps: Any) -> Any:
+        result = real(steps)
+        scheduling = isinstance(steps, list) and any(
+            isinstance(s, ScriptCall) and s.script == "schedule" for s in steps
+        )
+        if scheduling and not lost:
+            lost.append(1)
+            before_raising()
+            raise redis.ConnectionError("reply lost (test)")
+        return result
+
+    monkeypatch.setattr(broker.scripts, "execute", execute)
+    return lost
+
+
+@pytest.mark.parametrize("when", ["before delivery", "after delivery"])
+def test_a_resent_batch_is_stored_once(
+    broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    broker.create_topic("orders", partitions=1)
+
+    def wait_delivered() -> None:
+        if when == "after delivery":
+            wait_for(lambda: broker.client.xlen(broker.keys.log("orders", 0)) == 5, what="it")
+
+    lost = _lose_first_reply(broker, monkeypatch, wait_delivered)
+    with broker.producer(retry_backoff_ms=10) as producer:
+        futures = [producer.send_async("orders", b"v%d" % i, delay_ms=200) for i in range(5)]
+        metas = [f.result(timeout=30) for f in futures]
+        wait_for(lambda: len(read_all(broker, "orders")) >= 5, what="delivery")
+        time.sleep(0.3)
+    assert lost == [1]
+    assert all(m.duplicate for m in metas)  # answered by the re-sent batch
+    if when == "after delivery":
+        assert all(m.deliver_at_ms is None for m in metas)
+    assert [m.value for m in read_all(broker, "orders")] == [b"v%d" % i for i in range(5)]
+
+
+def test_message_id_mode_schedules_an_id_once(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    with broker.producer(idempotence="message_id") as producer:
+        first = producer.send("orders", b"paid", message_id="order-42", delay_ms=300)
+        second = producer.send("orders", b"paid again", message_id="order-42", delay_ms=300)
+        assert not first.duplicate and second.duplicate
+        assert first.schedule_id == second.schedule_id == "m:order-42"
+        wait_for(lambda: read_all(broker, "orders"), what="delivery")
+        time.sleep(0.2)
+    [message] = read_all(broker, "orders")
+    assert (message.value, message.message_id) == (b"paid", b"order-42")
+
+
+def test_a_fenced_named_producer_cannot_schedule(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    old = broker.producer(name="svc")
+    old.send("orders", b"old", key="k", delay_ms=60_000)
+    with broker.producer(name="svc") as new:
+        new.send("orders", b"new", key="k", delay_ms=60_000)
+        with pytest.raises(ProducerFenced):
+            old.send("orders", b"zombie", key="k", delay_ms=60_000)
+    old.close()
+    assert broker.describe_topic("orders").total_scheduled == 2
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_nothing_stored(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    broker.create_topic("short", partitions=1, retention_ms=60_000)
+    naive = datetime.now() + timedelta(minutes=1)
+    now = datetime.now(UTC)
+    cases: list[tuple[str, dict[str, Any], type[Exception]]] = [
+        ("orders", {"delay_ms": 0}, InvalidConfig),
+        ("orders", {"delay_ms": -5}, InvalidConfig),
+        ("orders", {"delay_ms": 3 * 24 * 3600 * 1000 + 1}, InvalidConfig),
+        ("short", {"delay_ms": 60_001}, InvalidConfig),  # past the topic's retention
+        ("short", {"deliver_at": now + timedelta(minutes=2)}, InvalidConfig),
+        ("orders", {"delay_ms": 1.5}, TypeError),
+        ("orders", {"delay_ms": "100"}, TypeError),
+        ("orders", {"delay_ms": True}, TypeError),
+        ("orders", {"deliver_at": naive}, TypeError),
+        ("orders", {"deliver_at": "2030-01-01T00:00:00Z"}, TypeError),
+        ("orders", {"deliver_at": now.timestamp()}, TypeError),
+        ("orders", {"delay_ms": 100, "deliver_at": now}, InvalidConfig),
+        ("orders", {"delay_ms": 100, "partition": PARTITIONS}, redisq.PartitionOutOfRange),
+        ("orders", {"delay_ms": 100, "value": 12}, TypeError),
+        ("missing", {"delay_ms": 100}, redisq.TopicNotFound),
+    ]
+    with broker.producer(max_message_bytes=1000) as producer:
+        for topic, options, error in cases:
+            value = options.pop("value", b"v")
+            for send in (producer.send, producer.send_async):
+                with pytest.raises(error):
+                    send(topic, value, key="k", **options)
+        with pytest.raises(redisq.MessageTooLarge):
+            producer.send_async("orders", b"x" * 1001, delay_ms=100)
+        # Within the limits: accepted (a deliver_at in the past is due at once).
+        producer.send("short", b"ok", delay_ms=60_000)
+        producer.send("orders", b"past", deliver_at=now - timedelta(hours=1))
+        producer.send("orders", b"zone", deliver_at=datetime.now(timezone(timedelta(hours=-5))))
+        wait_for(lambda: len(read_all(broker, "orders")) == 2, what="the due ones")
+    assert broker.describe_topic("orders").total_scheduled == 0
+    assert broker.describe_topic("short").total_scheduled == 1
+
+
+# -- describe and delete -----------------------------------------------------------------------
+
+
+def test_describe_shows_scheduled_counts_and_next_due(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    with broker.producer() as producer:
+        metas = [
+            producer.send("orders", b"m", partition=i % 2, delay_ms=60_000 + 1000 * i)
+            for i in range(5)
+        ]
+        described = broker.describe_topic("orders")
+    assert [p.scheduled for p in described.partitions] == [3, 2, 0]
+    assert [p.next_due_ms for p in described.partitions] == [
+        metas[0].deliver_at_ms,
+        metas[1].deliver_at_ms,
+        None,
+    ]
+    assert described.total_scheduled == 5 and described.total_messages == 0
+
+
+def test_delete_topic_deletes_the_schedule(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    with broker.producer() as producer:
+        for i in range(6):
+            producer.send("orders", b"later", key=f"k{i}", delay_ms=60_000)
+        for i in range(6):  # delivered while the sender may retry: tombstones remain
+            producer.send("orders", b"soon", key=f"k{i}", delay_ms=50)
+        wait_for(lambda: len(read_all(broker, "orders")) == 6, what="the short ones")
+        kinds = {k.rsplit(b":", 1)[-1] for k in schedule_keys(broker, "orders", PARTITIONS)}
+        assert {b"schedule", b"scheduled", b"delivered", b"schedlease"} <= kinds
+    broker.delete_topic("orders")
+    assert schedule_keys(broker, "orders", PARTITIONS) == []
+    with broker.producer() as producer, pytest.raises(redisq.TopicNotFound):
+        producer.send("orders", b"after", delay_ms=100)
+
+
+# -- schedulers: killed, side by side ------------------------------------------------------------
+
+_CHILD = """
+import sys, time, redisq
+from redisq.scheduler import Scheduler
+broker = redisq.connect(sys.argv[1], namespace=sys.argv[2])
+scheduler = Scheduler(broker, [sys.argv[3]])
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def _start_scheduler_process(url: str, namespace: str, topic: str) -> subprocess.Popen[str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, url, namespace, topic],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_a_sigkilled_scheduler_loses_and_doubles_nothing(
+    broker: redisq.Broker, server_url: str
+) -> None:
+    """History check: every acknowledged delayed message appears exactly once, though the
+    scheduler delivering them is SIGKILLed mid-run (its lease held) and another takes over."""
+    broker.create_topic("orders", partitions=PARTITIONS)
+    n = 1500
+    with broker.producer() as producer:  # its scheduler stops (leases handed back) on close
+        futures = [
+            producer.send_async("orders", b"%d" % i, key=f"k{i % 50}", delay_ms=800 + 2 * i)
+            for i in range(n)
+        ]
+        acknowledged = {b"%d" % i for i, f in enumerate(futures) if f.exception(30) is None}
+    assert len(acknowledged) == n
+    first = _start_scheduler_process(server_url, broker.namespace, "orders")
+    try:
+        wait_for(lambda: len(read_all(broker, "orders")) > n // 4, what="deliveries")
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    at_kill = len(read_all(broker, "orders"))
+    assert at_kill < n, "the scheduler was killed after it had finished: nothing was tested"
+    # Its leases outlive it: the next scheduler takes over once they expire.
+    second = _start_scheduler_process(server_url, broker.namespace, "orders")
+    try:
+        wait_for(lambda: broker.describe_topic("orders").total_scheduled == 0, what="the rest")
+        time.sleep(0.3)
+    finally:
+        os.kill(second.pid, signal.SIGKILL)
+        second.wait()
+    counts = delivered_values(broker, "orders")
+    assert set(counts) == acknowledged
+    assert [v for v, c in counts.items() if c > 1] == []
+
+
+def test_two_schedulers_side_by_side_deliver_each_message_once(
+    broker: redisq.Broker, server_url: str
+) -> None:
+    """Two schedulers on their own connections while a thief keeps deleting the partitions'
+    leases (so both keep taking them): each message is still appended exactly once."""
+    broker.create_topic("orders", partitions=PARTITIONS)
+    n = 1000
+    with broker.producer() as producer:
+        for i in range(n):
+            producer.send_async("orders", b"%d" % i, key=f"k{i % 20}", delay_ms=600 + i)
+    others = [redisq.connect(server_url, namespace=broker.namespace) for _ in range(2)]
+    schedulers = [Scheduler(other, ["orders"]) for other in others]
+    stop = threading.Event()
+
+    def steal_leases() -> None:
+        leases = [broker.keys.scheduler_lease("orders", p) for p in range(PARTITIONS)]
+        while not stop.is_set():
+            for lease in leases:
+                broker.client.delete(lease)
+            time.sleep(0.005)
+
+    thief = threading.Thread(target=steal_leases, daemon=True)
+    thief.start()
+    try:
+        wait_for(lambda: broker.describe_topic("orders").total_scheduled == 0, what="delivery")
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        thief.join()
+        for scheduler in schedulers:
+            scheduler.close()
+        for other in others:
+            other.close()
+    counts = delivered_values(broker, "orders")
+    assert set(counts) == {b"%d" % i for i in range(n)}
+    assert [v for v, c in counts.items() if c > 1] == []
+    assert sum(s.delivered for s in schedulers) == n
+
+
+def test_one_scheduler_per_partition_and_a_takeover(broker: redisq.Broker, server_url: str) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    first = Scheduler(broker, ["orders"])
+    wait_for(lambda: len(first.held()) == PARTITIONS, what="the leases")
+    other = redisq.connect(server_url, namespace=broker.namespace)
+    second = Scheduler(other, ["orders"])
+    try:
+        with broker.producer() as producer:  # its own scheduler knocks in vain too
+            for i in range(50):
+                producer.send_async("orders", b"%d" % i, key=f"k{i}", delay_ms=100)
+            producer.send("orders", b"after", key="k0", delay_ms=1500)
+        wait_for(lambda: first.delivered == 50, what="the first scheduler's deliveries")
+        assert second.delivered == 0 and second.held() == []
+        first.close()  # hands its leases back: the second takes over at its next knock
+        wait_for(lambda: second.delivered == 1, timeout=5, what="the takeover")
+        assert len(second.held()) == PARTITIONS
+    finally:
+        first.close()
+        second.close()
+        other.close()
+    assert delivered_values(broker, "orders")[b"after"] == 1
