@@ -8,7 +8,6 @@ code (common.EXIT_CODES, shown by `redisq --help`).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sys
@@ -68,12 +67,8 @@ class RedisqGroup(click.Group):
             return _fail(USAGE, detail)
         except redis.ResponseError as exc:  # e.g. NOPERM from an ACL user confined elsewhere
             return _fail(USAGE, f"the server refused: {type(exc).__name__}: {exc}")
-        except BrokenPipeError:
+        except BrokenPipeError:  # only stdout is a pipe we write to
             return _stdout_gone()
-        except OSError as exc:
-            if exc.errno in (errno.EPIPE, errno.EBADF) and _is_stdout_error():
-                return _stdout_gone()
-            raise
         except KeyboardInterrupt:
             return INTERRUPTED
 
@@ -82,10 +77,6 @@ def _fail(code: int, text: str) -> int:
     if sys.stderr is not None:
         sys.stderr.write(f"redisq: {text}\n")
     return code
-
-
-def _is_stdout_error() -> bool:
-    return sys.stdout is not None
 
 
 def _stdout_gone() -> int:
