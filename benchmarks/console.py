@@ -29,7 +29,7 @@ from report import print_table
 
 import redisq
 from redisq.console import create_app
-from redisq.console.snapshot import namespace_snapshot
+from redisq.inspect import namespace_snapshot
 from redisq.group import describe_group, list_groups
 from redisq.protocol import run_operation
 

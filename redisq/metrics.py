@@ -5,7 +5,7 @@
     text = redisq.metrics.exposition(redisq.metrics.collect(broker))   # Prometheus text format
 
 `collect(broker)` reads what Redis already counts for the namespace, in a few pipelined round
-trips (redisq.console.snapshot): every partition's appended-entries counter and length, every
+trips (redisq.inspect): every partition's appended-entries counter and length, every
 group's committed entries, lag and pending entries per partition, each lease (holder, time left)
 and how many times it was granted (its fencing counter), the dead letters, malformed entries,
 blocked messages, parked keys and held messages the commits record, and the dead-letter topics'
@@ -144,7 +144,7 @@ def collect(
     """Every metric of the broker's namespace (server=True: read from Redis, pipelined) and of
     the given clients (default: the tracked ones). Raises redis errors when the server is down
     (a scrape should fail, not report zeros)."""
-    from redisq.console.snapshot import namespace_snapshot
+    from redisq.inspect import namespace_snapshot
 
     families = _Families()
     if server:

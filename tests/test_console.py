@@ -8,6 +8,7 @@ http.client, against a real server (the session's valkey-server).
 from __future__ import annotations
 
 import base64
+import html
 import http.client
 import logging
 import re
@@ -27,8 +28,8 @@ import uvicorn  # noqa: E402
 
 import redisq  # noqa: E402
 from redisq.console import check_exposure, create_app, is_loopback  # noqa: E402
-from redisq.console.snapshot import namespace_snapshot  # noqa: E402
 from redisq.errors import InvalidConfig  # noqa: E402
+from redisq.inspect import namespace_snapshot  # noqa: E402
 from redisq.protocol import run_operation  # noqa: E402
 from tests.conftest import drop_namespace  # noqa: E402
 from tests.servers import ServerProcess, free_port  # noqa: E402
@@ -117,12 +118,15 @@ def notice_of(client: Client, location: str) -> str:
 
 
 def cells(page: str, table_id: str) -> list[list[str]]:
-    """The text of each cell of each body row of a table."""
+    """The text of each cell of each body row of a table, as a browser shows it."""
     table = re.search(rf'<table[^>]*id="{table_id}".*?<tbody>(.*?)</tbody>', page, re.S)
     assert table, f"no table {table_id}"
     rows = re.findall(r"<tr[^>]*>(.*?)</tr>", table.group(1), re.S)
     return [
-        [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+        [
+            html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+            for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+        ]
         for row in rows
     ]
 

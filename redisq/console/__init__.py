@@ -1,16 +1,18 @@
 """`redisq console`: a web console over one namespace (pip install 'redisq-broker[console]').
 
 Server-rendered pages (Starlette + Jinja2, served by uvicorn) for topics, messages, consumer
-groups, dead letters and producers, with live numbers, test produce, dead-letter replay and
-release, offset reset, and Prometheus metrics at /metrics (redisq.metrics).
+groups, dead letters, producers, and transactions & schedules, with live numbers, test produce,
+dead-letter replay and release, offset reset, sweeping transactions, and Prometheus metrics at
+/metrics (redisq.metrics).
 
 Safety: it binds to 127.0.0.1 by default; any other address needs a token or basic auth
 (refused otherwise). --read-only shows no action and refuses every POST. Actions are POSTs
 checked for CSRF. No password from the url appears on a page or in a log.
 
 Embedding: `create_app(broker, ...)` returns the ASGI application; `serve(...)` runs it;
-`main(argv)` is the command line. Nothing here imports the web stack until it is used, so
-`redisq.console.snapshot` (used by redisq.metrics) works without the extra.
+`main(argv)` is the command line (`redisq console`). Nothing here imports the web stack until
+it is used: `import redisq.console` works without the extra, and the library never imports
+this package (redisq.metrics reads through redisq.inspect).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redisq.console.snapshot import NamespaceSnapshot
+from redisq.inspect import NamespaceSnapshot
 
 log = logging.getLogger("redisq.console")
 

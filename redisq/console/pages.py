@@ -11,11 +11,44 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from redisq import metrics
-from redisq.console import actions, browse, charts, producers
-from redisq.console.app import Console, form_value
-from redisq.console.snapshot import group_snapshot, topic_snapshot
+from redisq.console.actions import (
+    RESET_TARGETS,
+    ResetRequest,
+    parse_headers,
+    release,
+    replay,
+    reset,
+)
+from redisq.console.browse import (
+    VIEWS,
+    Page,
+    Search,
+    browse,
+    find_by_key,
+    find_by_message_id,
+    parse_bound,
+    render_value,
+)
+from redisq.console.charts import line_chart, sparkline
+from redisq.console.context import Console
+from redisq.console.producers import dedup_buckets, named_producers, topic_producers
 from redisq.group import assign_partitions
+from redisq.inspect import group_snapshot, namespace_snapshot, topic_snapshot
 from redisq.protocol import Command, Operation, text
+from redisq.transaction_admin import sweep_now
+from redisq.waiting import scheduled_messages, transactions_snapshot, unresolved_messages
+
+# Rows on the transactions & schedules page: the oldest transactions, the next due messages.
+TRANSACTIONS_SHOWN = 500
+SCHEDULED_SHOWN = 50
+UNRESOLVED_SHOWN = 50
+
+
+def form_value(form: list[tuple[str, str]], name: str, default: str = "") -> str:
+    for key, value in form:
+        if key == name:
+            return value
+    return default
 
 
 # -- pages ---------------------------------------------------------------------------------------
@@ -33,7 +66,7 @@ def overview(console: Console, request: Request) -> Response:
             "topics": user,
             "dead_letter_topics": dead,
             "rates": rates,
-            "spark": charts.sparkline,
+            "spark": sparkline,
         },
     )
 
@@ -47,7 +80,7 @@ def topic_page(console: Console, request: Request) -> Response:
     name = request.path_params["topic"]
     snapshot = console.run(topic_snapshot(console.broker.keys, name, nodes=console.nodes()))
     topic = snapshot.topics[name]
-    chart = charts.line_chart(
+    chart = line_chart(
         {"messages/s": console.history.throughput(name)}, title="Throughput", unit="messages/s"
     )
     groups = [snapshot.groups[(name, g)] for g in topic.groups if (name, g) in snapshot.groups]
@@ -62,31 +95,31 @@ def messages_page(console: Console, request: Request) -> Response:
     name = request.path_params["topic"]
     config = console.broker.topic_config(name, refresh=True)
     q = request.query_params
-    view = q.get("view", "text") if q.get("view") in browse.VIEWS else "text"
+    view = q.get("view", "text") if q.get("view") in VIEWS else "text"
     partition = int(q.get("partition") or 0)
     count = int(q.get("count") or 50)
-    result: browse.Page | browse.Search
+    result: Page | Search
     title = ""
     if q.get("message_id"):
-        result = browse.find_by_message_id(console.broker, name, q["message_id"].encode())
+        result = find_by_message_id(console.broker, name, q["message_id"].encode())
         title = f"Message id {q['message_id']!r}: searched {result.where}"
     elif q.get("key"):
         key_partition = int(q["key_partition"]) if q.get("key_partition") else None
-        result = browse.find_by_key(
+        result = find_by_key(
             console.broker, name, q["key"].encode(), count=count, partition=key_partition
         )
         title = f"Key {q['key']!r}: {len(result.messages)} found in {result.where}"
     else:
         if q.get("since") or q.get("until"):
-            since = browse.parse_bound(q.get("since"), time=True)
-            until = browse.parse_bound(q.get("until"), time=True)
+            since = parse_bound(q.get("since"), time=True)
+            until = parse_bound(q.get("until"), time=True)
             if until and not until.startswith("("):
                 until = until.split("-")[0] + "-18446744073709551615"  # the whole millisecond
             start, end = since or ("-" if until else None), until
         else:
-            start, end = browse.parse_bound(q.get("start")), browse.parse_bound(q.get("end"))
-        result = browse.browse(console.broker, name, partition, start=start, end=end, count=count)
-    rendered = [(m, browse.render_value(m.value, view)) for m in result.messages]
+            start, end = parse_bound(q.get("start")), parse_bound(q.get("end"))
+        result = browse(console.broker, name, partition, start=start, end=end, count=count)
+    rendered = [(m, render_value(m.value, view)) for m in result.messages]
     return console.render(
         request,
         "messages.html",
@@ -161,7 +194,7 @@ def group_page(console: Console, request: Request) -> Response:
     pending = _pending_entries(
         console, topic, group, [p.partition for p in snapshot.partitions if p.pending]
     )
-    chart = charts.line_chart(console.history.lag(topic, group), title="Lag", unit="messages")
+    chart = line_chart(console.history.lag(topic, group), title="Lag", unit="messages")
     return console.render(
         request,
         "group.html",
@@ -172,7 +205,7 @@ def group_page(console: Console, request: Request) -> Response:
             "holding": holding,
             "pending": pending,
             "chart": chart,
-            "reset_targets": actions.RESET_TARGETS,
+            "reset_targets": RESET_TARGETS,
         },
     )
 
@@ -210,16 +243,16 @@ def dead_letters_page(console: Console, request: Request) -> Response:
 
 
 def producers_page(console: Console, request: Request) -> Response:
-    named = producers.named_producers(console.broker)
+    named = named_producers(console.broker)
     return console.render(request, "producers.html", {"active": "producers", "named": named})
 
 
 def topic_producers_page(console: Console, request: Request) -> Response:
     name = request.path_params["topic"]
     config = console.broker.topic_config(name, refresh=True)
-    named = producers.named_producers(console.broker)
-    states = producers.topic_producers(console.broker, name, named)
-    buckets = producers.dedup_buckets(console.broker, name)
+    named = named_producers(console.broker)
+    states = topic_producers(console.broker, name, named)
+    buckets = dedup_buckets(console.broker, name)
     return console.render(
         request,
         "topic_producers.html",
@@ -229,6 +262,37 @@ def topic_producers_page(console: Console, request: Request) -> Response:
             "states": states,
             "buckets": buckets,
             "named": [n for n in named if name in n.topics],
+        },
+    )
+
+
+def transactions_page(console: Console, request: Request) -> Response:
+    """Open and undone transactions (oldest first) with their check-backs, the half messages
+    check-back gave up on, and delayed messages: per topic and partition how many wait and when
+    the next is due, and the next ones due. A fixed number of round trips at any size."""
+    keys = console.broker.keys
+    snapshot = console.run(namespace_snapshot(keys, with_groups=False))
+    transactions = console.run(transactions_snapshot(keys, limit=TRANSACTIONS_SHOWN))
+    unresolved = console.run(unresolved_messages(keys, list(snapshot.topics), UNRESOLVED_SHOWN))
+    next_due = {
+        (t.name, p.partition): p.next_due_ms
+        for t in snapshot.topics.values()
+        for p in t.partitions
+        if p.next_due_ms is not None
+    }
+    upcoming = console.run(scheduled_messages(keys, next_due, SCHEDULED_SHOWN))
+    scheduled_topics = [t for t in snapshot.topics.values() if t.scheduled]
+    return console.render(
+        request,
+        "transactions.html",
+        {
+            "active": "transactions",
+            "now_ms": transactions.now_ms,
+            "tx": transactions,
+            "unresolved": unresolved,
+            "unresolved_lengths": {u.topic: snapshot.topics[u.topic].length for u in unresolved},
+            "scheduled_topics": scheduled_topics,
+            "upcoming": upcoming,
         },
     )
 
@@ -253,7 +317,7 @@ def produce_action(
         topic,
         form_value(form, "value"),
         key=form_value(form, "key"),
-        headers=actions.parse_headers(form_value(form, "headers")),
+        headers=parse_headers(form_value(form, "headers")),
         message_id=form_value(form, "message_id").strip(),
     )
     answer = (
@@ -270,7 +334,7 @@ def replay_action(
     offsets = [v for k, v in form if k == "offset" and v]
     if not offsets and form_value(form, "all") != "1":
         raise ValueError("choose dead letters to replay, or replay all")
-    count = actions.replay(console.broker, topic, group, offsets or None)
+    count = replay(console.broker, topic, group, offsets or None)
     return (
         f"/topics/{quote(topic)}/groups/{quote(group)}/deadletters",
         "ok",
@@ -283,7 +347,7 @@ def release_action(
 ) -> tuple[str, str, str]:
     topic, group = request.path_params["topic"], request.path_params["group"]
     key = form_value(form, "key")
-    count = actions.release(console.broker, topic, group, key)
+    count = release(console.broker, topic, group, key)
     return (
         f"/topics/{quote(topic)}/groups/{quote(group)}/deadletters",
         "ok" if count else "warn",
@@ -297,13 +361,13 @@ def reset_action(
     topic, group = request.path_params["topic"], request.path_params["group"]
     raw_partitions = form_value(form, "partitions").replace(" ", "")
     partitions = [int(p) for p in raw_partitions.split(",") if p] if raw_partitions else None
-    request_ = actions.ResetRequest(
+    request_ = ResetRequest(
         target=form_value(form, "target"),
         value=form_value(form, "value"),
         partitions=partitions,
         dry_run=form_value(form, "dry_run") == "1",
     )
-    results = actions.reset(console.broker, topic, group, request_)
+    results = reset(console.broker, topic, group, request_)
     lines = "; ".join(
         f"p{r.partition}: {r.before or 'unread'} -> {r.after} (lag {r.lag_before} -> {r.lag_after}"
         + (f", {r.pending_dropped} pending dropped" if r.pending_dropped else "")
@@ -316,3 +380,12 @@ def reset_action(
         "ok",
         f"{verb} to {request_.target}: {lines}",
     )
+
+
+def sweep_action(
+    console: Console, request: Request, form: list[tuple[str, str]]
+) -> tuple[str, str, str]:
+    """What a transactional producer's sweeper does every second, now: abort open transactions
+    past their timeout, carry out decided ones (the CLI's `redisq transactions sweep`)."""
+    looked = console.run(sweep_now(console.broker.keys))
+    return "/transactions", "ok", f"Swept: {looked} transaction{'s' if looked != 1 else ''} due"

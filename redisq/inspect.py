@@ -1,5 +1,5 @@
-"""What the console and the metrics read: a namespace's topics and groups, in a few pipelined
-round trips whatever their size.
+"""What the console and the metrics read: a namespace's topics, their delayed messages and their
+groups, in a few pipelined round trips whatever their size.
 
 Every read here is a protocol operation (a generator of steps, run with
 `redisq.protocol.run_operation(op, broker.scripts.execute)`): each round trip is one list of
@@ -51,7 +51,9 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class PartitionSnapshot:
     """One partition stream (XINFO STREAM). entries_added counts every entry ever appended
-    (Redis >= 7.0): the produced-messages counter, which trimming does not lower."""
+    (Redis >= 7.0): the produced-messages counter, which trimming does not lower. scheduled:
+    delayed messages waiting in the partition's schedule, the first due at next_due_ms (the
+    server's clock)."""
 
     partition: int
     length: int
@@ -59,6 +61,8 @@ class PartitionSnapshot:
     last_offset: str | None
     entries_added: int
     node: str | None = None
+    scheduled: int = 0
+    next_due_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,14 @@ class TopicSnapshot:
     @property
     def entries_added(self) -> int:
         return sum(p.entries_added for p in self.partitions)
+
+    @property
+    def scheduled(self) -> int:
+        return sum(p.scheduled for p in self.partitions)
+
+    @property
+    def next_due_ms(self) -> int | None:
+        return min((p.next_due_ms for p in self.partitions if p.next_due_ms), default=None)
 
     @property
     def dead_letter_of(self) -> tuple[str, str] | None:
@@ -196,9 +208,12 @@ def _scored(reply: Any) -> list[tuple[str, float]]:
     return [(text(m), float(s)) for m, s in zip(it, it, strict=True)]
 
 
-def _stream(p: int, info: Any, node: str | None) -> PartitionSnapshot:
+def _stream(p: int, replies: Sequence[Any], node: str | None) -> PartitionSnapshot:
+    """XINFO STREAM, ZCARD and the first of the schedule (the steps of _stream_steps)."""
+    info, scheduled, first_due = replies
     info = _as_dict(info)  # a missing stream (deleted under us) reads as empty
     first, last = info.get("first-entry"), info.get("last-entry")
+    due = _scored(first_due)
     return PartitionSnapshot(
         partition=p,
         length=_int(info.get("length")),
@@ -206,6 +221,8 @@ def _stream(p: int, info: Any, node: str | None) -> PartitionSnapshot:
         last_offset=optional_text(last[0]) if last else None,
         entries_added=_int(info.get("entries-added"), _int(info.get("length"))),
         node=node,
+        scheduled=_int(scheduled if not isinstance(scheduled, Exception) else 0),
+        next_due_ms=int(due[0][1]) if due else None,
     )
 
 
@@ -238,12 +255,19 @@ def _topic_configs(keys: KeySpace, names: Sequence[str]) -> Operation[list[Topic
     return found
 
 
+_PER_STREAM = 3
+
+
 def _stream_steps(keys: KeySpace, topics: Iterable[TopicSnapshot]) -> list[Step]:
-    return [
-        Command(("XINFO", "STREAM", keys.log(t.name, p)))
-        for t in topics
-        for p in range(t.config.partitions)
-    ]
+    steps: list[Step] = []
+    for t in topics:
+        for p in range(t.config.partitions):
+            steps += [
+                Command(("XINFO", "STREAM", keys.log(t.name, p))),
+                Command(("ZCARD", keys.scheduled(t.name, p))),
+                Command(("ZRANGE", keys.scheduled(t.name, p), 0, 0, "WITHSCORES")),
+            ]
+    return steps
 
 
 def namespace_snapshot(
@@ -286,8 +310,9 @@ def namespace_snapshot(
         parts = []
         for p in range(t.config.partitions):
             key = keys.log(t.name, p)
-            parts.append(_stream(p, replies[at], nodes(key) if nodes else None))
-            at += 1
+            stream = replies[at : at + _PER_STREAM]
+            parts.append(_stream(p, stream, nodes(key) if nodes else None))
+            at += _PER_STREAM
         result.topics[t.name] = TopicSnapshot(t.config, parts, t.groups)
     stream_groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for t in snapshots:
