@@ -311,6 +311,34 @@ async def test_commit_after_the_lease_moved_raises_and_commits_nothing(env: Env)
             await b.close()
 
 
+@aio
+async def test_a_partition_lost_while_polling_is_taken_again_once_free(env: Env) -> None:
+    """A's poll found its lease granted to B (the fenced read): A stops reading the partition.
+    Once B leaves, the partition is A's again (A is the only member left): A must take the
+    lease back and read on, or the group never reads that partition again."""
+    async with env.connect() as broker:
+        await broker.create_topic("t", partitions=1)
+        await send_values(broker, "t", range(0, 5))
+        a = broker.consumer("t", "g", "z-a", **LONG_LEASE)
+        b = broker.consumer("t", "g", "b", lease_ttl_ms=600_000)
+        try:
+            assert values(await poll_and_ack(a, 5)) == [0, 1, 2, 3, 4]
+            await a.commit()
+            assert env.sync.client.delete(env.sync.keys.lease("t", 0, "g")) == 1
+            await b.start()
+            await wait_until(lambda: b.assignment == [0], what="B holding the lease")
+            await send_values(broker, "t", range(5, 10))
+            assert await a.poll(timeout=0.5) == [] and a.assignment == []  # fenced
+            assert values(await poll_and_ack(b, 5)) == [5, 6, 7, 8, 9]
+            await b.close()  # commits, releases the lease, leaves the group
+            await send_values(broker, "t", range(10, 15))
+            assert values(await poll_and_ack(a, 5, timeout=6)) == [10, 11, 12, 13, 14]
+            assert a.assignment == [0]
+        finally:
+            await a.close()
+            await b.close()
+
+
 # -- crashes and takeover ------------------------------------------------------------------------
 @aio
 async def test_crashed_member_is_taken_over_from_the_committed_position(env: Env) -> None:
