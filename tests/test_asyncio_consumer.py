@@ -179,6 +179,34 @@ async def test_start_latest_skips_what_was_there(env: Env) -> None:
     assert dict(recorder.done) == {90: [0], 91: [0]}
 
 
+@aio
+async def test_cancelling_run_leaves_the_group_cleanly(env: Env) -> None:
+    """run() cancelled mid-stream (task.cancel(), as asyncio code stops things): the member
+    commits what it handled, hands its leases back and leaves, so the next member starts at
+    once after the last handled message and repeats nothing."""
+    async with env.connect() as broker:
+        await broker.create_topic("orders", partitions=2)
+        await produce(broker, "orders", keys=8, per_key=50)
+        first = Recorder(sleep=0.005)
+        consumer = broker.consumer("orders", "g", **FAST)
+        task = await start_running(consumer, first.handle)
+        await wait_until(lambda: first.handled() >= 40, what="first member going")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert first.handled() < 400, "precondition: cancelled mid-stream"
+        description = describe_group(env.sync, "orders", "g")
+        assert description.members == [] and all(p.owner is None for p in description.partitions)
+        assert description.total_lag == 400 - first.handled()
+        heir = Recorder()
+        started = time.monotonic()
+        consumer = broker.consumer("orders", "g", **FAST)
+        await run_until(consumer, heir.handle, lambda: first.handled() + heir.handled() >= 400)
+        assert time.monotonic() - started < 5  # no lease left to run out
+    for k in range(8):
+        assert first.done[k] + heir.done[k] == list(range(50)), k
+
+
 # -- poll / ack / commit -------------------------------------------------------------------------
 @aio
 async def test_poll_gates_a_partition_until_acked(env: Env) -> None:
