@@ -184,6 +184,10 @@ def test_schedule_stores_an_id_once_before_and_after_delivery(broker: redisq.Bro
     after = schedule(1500)
     assert after.flags == "222" and after.due_ms == (None, None, None)
     assert [m.value for m in broker.read("orders", 0)] == [b"v0", b"v1", b"v2"]
+    # Nothing of a delivered message is kept but its id in the tombstones.
+    assert broker.client.zcard(keys.scheduled("orders", 0)) == 0
+    assert broker.client.hlen(keys.scheduled_messages("orders", 0)) == 0
+    assert broker.client.zcard(keys.scheduled_delivered("orders", 0)) == 3
     # Another scheduler cannot run the partition while the lease is held.
     with pytest.raises(LeaseLost):
         deliver("other")
@@ -227,7 +231,8 @@ def test_a_resent_batch_is_stored_once(
             wait_for(lambda: broker.client.xlen(broker.keys.log("orders", 0)) == 5, what="it")
 
     lost = _lose_first_reply(broker, monkeypatch, wait_delivered)
-    with broker.producer(retry_backoff_ms=10) as producer:
+    # A long linger: the five go in one batch, whose reply is lost.
+    with broker.producer(retry_backoff_ms=10, linger_ms=500) as producer:
         futures = [producer.send_async("orders", b"v%d" % i, delay_ms=200) for i in range(5)]
         metas = [f.result(timeout=30) for f in futures]
         wait_for(lambda: len(read_all(broker, "orders")) >= 5, what="delivery")
