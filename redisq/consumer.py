@@ -343,6 +343,7 @@ class Consumer(Coordinator):
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
             messages = self.io.screen(reader, messages, self.stats, self._lock)
+            self.stats.consumed += len(messages)
             result.extend(self._deserialize(m) for m in messages)
         return result
 

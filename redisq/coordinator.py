@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import redis
 
+from redisq import metrics
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.group import GroupMembership
@@ -121,6 +122,7 @@ class Coordinator:
             target=self._coordinate, name=f"redisq-consumer-{self.name}", daemon=True
         )
         self._coordinator.start()
+        metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
 
     def _join(self, topic: str) -> None:
         membership = GroupMembership(

@@ -5,15 +5,20 @@
     text = redisq.metrics.exposition(redisq.metrics.collect(broker))   # Prometheus text format
 
 `collect(broker)` reads what Redis already counts for the namespace, in a few pipelined round
-trips (redisq.inspect): every partition's appended-entries counter and length, every
-group's committed entries, lag and pending entries per partition, each lease (holder, time left)
-and how many times it was granted (its fencing counter), the dead letters, malformed entries,
-blocked messages, parked keys and held messages the commits record, and the dead-letter topics'
-lengths. These are the truth shared by every process, so one scrape of one console is enough.
+trips (redisq.inspect, redisq.waiting): every partition's appended-entries counter and length,
+its delayed messages and when the next is due, every group's committed entries, lag and pending
+entries per partition, each lease (holder, time left) and how many times it was granted (its
+fencing counter), the dead letters, malformed entries, blocked messages, parked keys and held
+messages the commits record, the dead-letter topics' lengths, the transactions in the registry
+by state and the half messages check-back gave up on. These are the truth shared by every
+process, so one scrape of one console is enough.
 
-Numbers only a client knows (a consumer's handler failures and retries, its lease losses, its
-fenced commits) come from the consumers and producers passed to `collect(clients=...)` or
-registered with `track()`; they carry the labels group and member (consumers) or producer.
+Numbers only a client knows (what a producer sent, had acknowledged, was answered as
+duplicates, retried, was fenced on, committed and aborted; what a consumer was given, handled,
+failed, retried, dead-lettered, its lease grants and losses and fenced commits) come from the
+producers and consumers of this process: each one is tracked from its start (held weakly, so
+tracking never keeps one alive), or pass `collect(clients=...)`. They carry the labels group
+and member (consumers) or producer (its name, else its producer id).
 
 Names follow Prometheus conventions: a `redisq_` prefix, `_total` on counters, base units
 (seconds), one label set per series, label values escaped as the text format requires.
@@ -25,12 +30,16 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from redisq.handle import BrokerHandle
+from redisq.inspect import NamespaceSnapshot, namespace_snapshot
+from redisq.keys import parse_unresolved_topic
 from redisq.protocol import run_operation
+from redisq.waiting import TransactionsSnapshot, transactions_snapshot
 
-if TYPE_CHECKING:
-    from redisq.broker import Broker
+# Transactions read per scrape (their states); the registry's size is reported whatever it is.
+TRANSACTIONS_READ = 1000
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -78,8 +87,9 @@ _tracked_lock = threading.Lock()
 
 
 def track(client: Any) -> None:
-    """Include a Consumer's (or Producer's) own counters in every collect() of this process.
-    Held weakly: a closed, dropped client disappears from the metrics."""
+    """Include a Consumer's (or Producer's) own counters in every collect() of this process
+    (producers and consumers track themselves when they start). Held weakly: a dropped client
+    disappears from the metrics."""
     with _tracked_lock:
         _tracked.add(client)
 
@@ -91,6 +101,10 @@ def untrack(client: Any) -> None:
 
 # ConsumerStats field -> (metric name, help). The library counts these (redisq.stats).
 CONSUMER_COUNTERS = {
+    "consumed": (
+        "redisq_consumer_messages_consumed_total",
+        "Messages given to the application (poll, or run's handler), each delivery.",
+    ),
     "handled": ("redisq_consumer_messages_handled_total", "Messages handled (handler returned)."),
     "failures": ("redisq_consumer_handler_failures_total", "Handler calls that raised."),
     "retries": ("redisq_consumer_retries_total", "Messages retried after a failure."),
@@ -102,8 +116,7 @@ CONSUMER_COUNTERS = {
     "commits": ("redisq_consumer_commits_total", "Positions committed."),
     "rebalances": ("redisq_consumer_rebalances_total", "Assignment changes seen."),
 }
-# Producer counters, read when the producer has a `stats` object with these fields (the
-# library does not count them yet: see the console's report).
+# ProducerStats field -> (metric name, help): counted by the producer's core and transactions.
 PRODUCER_COUNTERS = {
     "sent": ("redisq_producer_messages_sent_total", "Messages accepted by send/send_async."),
     "acknowledged": ("redisq_producer_messages_acknowledged_total", "Messages acknowledged."),
@@ -139,17 +152,19 @@ def _client_families(families: _Families, clients: Iterable[Any]) -> None:
 
 # -- what Redis counts ---------------------------------------------------------------------------
 def collect(
-    broker: Broker, *, clients: Sequence[Any] | None = None, server: bool = True
+    broker: BrokerHandle, *, clients: Sequence[Any] | None = None, server: bool = True
 ) -> list[MetricFamily]:
     """Every metric of the broker's namespace (server=True: read from Redis, pipelined) and of
     the given clients (default: the tracked ones). Raises redis errors when the server is down
     (a scrape should fail, not report zeros)."""
-    from redisq.inspect import namespace_snapshot
-
     families = _Families()
     if server:
         snapshot = run_operation(namespace_snapshot(broker.keys), broker.scripts.execute)
+        transactions = run_operation(
+            transactions_snapshot(broker.keys, TRANSACTIONS_READ), broker.scripts.execute
+        )
         _server_families(families, snapshot)
+        _waiting_families(families, snapshot, transactions)
     if clients is None:
         with _tracked_lock:
             clients = list(_tracked)
@@ -157,7 +172,54 @@ def collect(
     return [f for f in families.all() if f.samples]
 
 
-def _server_families(families: _Families, snapshot: Any) -> None:
+def _waiting_families(
+    families: _Families, snapshot: NamespaceSnapshot, transactions: TransactionsSnapshot
+) -> None:
+    scheduled = families(
+        "redisq_scheduled_messages",
+        "gauge",
+        "Delayed messages waiting in the partition's schedule.",
+    )
+    next_due = families(
+        "redisq_scheduled_next_due_timestamp_seconds",
+        "gauge",
+        "When the partition's next delayed message is due (Unix time, the server's clock).",
+    )
+    unresolved = families(
+        "redisq_unresolved_messages",
+        "gauge",
+        "Half messages check-back gave up on, in the transactional group's unresolved topic.",
+    )
+    for name, topic in snapshot.topics.items():
+        group = parse_unresolved_topic(name)
+        if group is not None:
+            unresolved.add(topic.length, group=group)
+            continue
+        for p in topic.partitions:
+            scheduled.add(p.scheduled, topic=name, partition=p.partition)
+            if p.next_due_ms is not None:
+                next_due.add(p.next_due_ms / 1000, topic=name, partition=p.partition)
+    registered = families(
+        "redisq_transactions_registered",
+        "gauge",
+        "Transactions in the registry: open, or decided and not yet carried out.",
+    )
+    registered.add(transactions.total)
+    states = families(
+        "redisq_transactions",
+        "gauge",
+        f"Transactions in the registry by state (of the first {TRANSACTIONS_READ} read).",
+    )
+    for state in ("open", "committed", "aborted"):
+        states.add(transactions.count(state), state=state)
+    oldest = families(
+        "redisq_transaction_open_oldest_age_seconds", "gauge", "Age of the oldest open transaction."
+    )
+    ages = [t.info.age_ms for t in transactions.transactions if t.info.state == "open"]
+    oldest.add(max(ages) / 1000 if ages else None)
+
+
+def _server_families(families: _Families, snapshot: NamespaceSnapshot) -> None:
     partitions = families("redisq_topic_partitions", "gauge", "Partitions of the topic.")
     length = families(
         "redisq_partition_messages", "gauge", "Messages in the partition now (after retention)."
@@ -169,9 +231,9 @@ def _server_families(families: _Families, snapshot: Any) -> None:
     )
     for name, topic in snapshot.topics.items():
         partitions.add(topic.config.partitions, topic=name)
-        for p in topic.partitions:
-            length.add(p.length, topic=name, partition=p.partition)
-            produced.add(p.entries_added, topic=name, partition=p.partition)
+        for stream in topic.partitions:
+            length.add(stream.length, topic=name, partition=stream.partition)
+            produced.add(stream.entries_added, topic=name, partition=stream.partition)
 
     consumed = families(
         "redisq_messages_consumed_total",
@@ -215,8 +277,8 @@ def _server_families(families: _Families, snapshot: Any) -> None:
     held_messages = families(
         "redisq_held_messages", "gauge", "Messages held back behind parked keys."
     )
-    for (topic, group), g in snapshot.groups.items():
-        labels = {"topic": topic, "group": group}
+    for (topic_name, group), g in snapshot.groups.items():
+        labels = {"topic": topic_name, "group": group}
         members.add(len(g.members), **labels)
         waiting.add(g.dead_letters_waiting, **labels)
         for p in g.partitions:
@@ -262,4 +324,4 @@ def exposition(families: Iterable[MetricFamily]) -> str:
                 lines.append(f"{family.name}{{{shown}}} {_value(value)}")
             else:
                 lines.append(f"{family.name} {_value(value)}")
-    return "\n".join(lines) + "\n"
+    return "".join(line + "\n" for line in lines)

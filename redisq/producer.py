@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import redis
 
-from redisq import errors
+from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
 from redisq.delayed_sender import DelayedSender
@@ -173,6 +173,7 @@ class Producer:
         self._sender.start()
         if self._transactions is not None:
             self._transactions.start()
+        metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
 
     @property
     def stats(self) -> ProducerStats:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 @dataclass
 class ConsumerStats:
+    """Counted by the consumer (both drivers) for this member."""
+
+    consumed: int = 0  # messages given to the application: returned by poll, or to run's handler
     handled: int = 0
     failures: int = 0
     retries: int = 0

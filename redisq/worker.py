@@ -198,6 +198,7 @@ class Worker(threading.Thread):
         if message.__class__ is MalformedMessage:
             self._on_malformed(reader, message, lane)
             return
+        consumer.stats.consumed += 1
         handler = consumer.handler_for_workers()
         steps = handle_under_policy(message, self.policy)
         step = next(steps)

@@ -3,7 +3,9 @@ without the console's web stack."""
 
 from __future__ import annotations
 
+import gc
 import re
+import time
 from typing import Any
 
 import pytest
@@ -68,6 +70,7 @@ def test_collect_reports_what_redis_counts(broker: redisq.Broker) -> None:
     with broker.consumer("orders", group="billing", name="m1", **options) as consumer:
         consumer.run(handle, idle_timeout=0.5)
     ran = parse(metrics.exposition(metrics.collect(broker, clients=[consumer])))
+    assert value(ran, "redisq_consumer_messages_consumed_total", group="billing", member="m1") == 20
     assert value(ran, "redisq_consumer_messages_handled_total", group="billing", member="m1") == 19
     assert value(ran, "redisq_consumer_dead_letters_total", group="billing", member="m1") == 1
     with broker.consumer("orders", group="billing", name="m2") as polling:
@@ -96,17 +99,119 @@ def test_collect_reports_what_redis_counts(broker: redisq.Broker) -> None:
     assert not [k for k in samples if k[0] == "redisq_lease_held"]  # released on close
 
 
-def test_tracked_clients_are_collected_until_dropped(broker: redisq.Broker) -> None:
+def test_clients_are_tracked_from_their_start_until_dropped(broker: redisq.Broker) -> None:
+    """The library call for those who embed redisq: producers and consumers count themselves
+    into collect() with no track() call, held weakly (a dropped client leaves the metrics)."""
     broker.create_topic("orders")
+    producer = broker.producer(name="tracked-producer")
     consumer = broker.consumer("orders", group="g", name="tracked")
     try:
-        metrics.track(consumer)
+        for i in range(3):
+            producer.send("orders", b"v", key=f"k{i}")
+        assert len(consumer.poll(timeout=5, max_messages=10)) == 3
         samples = parse(metrics.exposition(metrics.collect(broker, server=False)))
-        assert value(samples, "redisq_consumer_commits_total", group="g", member="tracked") == 0
+        mine = {"group": "g", "member": "tracked"}
+        assert value(samples, "redisq_consumer_messages_consumed_total", **mine) == 3
+        assert value(samples, "redisq_consumer_lease_grants_total", **mine) == 1
+        sent = {"producer": "tracked-producer"}
+        assert value(samples, "redisq_producer_messages_sent_total", **sent) == 3
+        assert value(samples, "redisq_producer_messages_acknowledged_total", **sent) == 3
         metrics.untrack(consumer)
-        assert metrics.collect(broker, server=False) == []
+        samples = parse(metrics.exposition(metrics.collect(broker, server=False)))
+        assert not [k for k in samples if ("member", "tracked") in k[1]]
     finally:
         consumer.close()
+        producer.close()
+    del producer, consumer
+    gc.collect()
+    samples = parse(metrics.exposition(metrics.collect(broker, server=False)))
+    assert not [k for k in samples if ("producer", "tracked-producer") in k[1]]
+
+
+def test_asyncio_clients_count_and_are_tracked(valkey_server: ServerProcess) -> None:
+    """The asyncio producer and consumer track themselves when they start and count what poll
+    and run's handler were given."""
+    import asyncio
+
+    import redisq.asyncio as rq
+
+    async def scenario() -> dict[Any, float]:
+        broker = await rq.connect(valkey_server.url, namespace="metrics-aio")
+        try:
+            await broker.create_topic("orders", partitions=2, exist_ok=True)
+            async with broker.producer(name="aio-producer") as producer:
+                for i in range(6):
+                    await producer.send("orders", b"v", key=f"k{i}")
+                polling = broker.consumer("orders", "aio-poll", "poller")
+                running = broker.consumer("orders", "aio-run", "runner")
+                try:
+                    got: list[Any] = []
+                    deadline = time.monotonic() + 15
+                    while len(got) < 6 and time.monotonic() < deadline:
+                        got += await polling.poll(timeout=1.0)
+                    await running.run(lambda m: None, idle_timeout=1.0)
+                    return parse(metrics.exposition(metrics.collect(broker, server=False)))
+                finally:
+                    await polling.close()
+                    await running.close()
+        finally:
+            for key in await broker.client.keys("metrics-aio:*"):
+                await broker.client.delete(key)
+            await broker.close()
+
+    samples = asyncio.run(scenario())
+    polled = {"group": "aio-poll", "member": "poller"}
+    assert value(samples, "redisq_consumer_messages_consumed_total", **polled) == 6
+    ran = {"group": "aio-run", "member": "runner"}
+    assert value(samples, "redisq_consumer_messages_consumed_total", **ran) == 6
+    assert value(samples, "redisq_consumer_messages_handled_total", **ran) == 6
+    assert (
+        value(samples, "redisq_producer_messages_acknowledged_total", producer="aio-producer") == 6
+    )
+
+
+def test_transactions_and_schedules_are_exported(broker: redisq.Broker) -> None:
+    """Transaction outcomes (the producer's counters, the registry by state, unresolved half
+    messages) and delayed messages per partition with the next due time."""
+    broker.create_topic("orders", partitions=2)
+    with broker.producer(name="tx-metrics", transactional=True) as producer:
+        with producer.transaction() as tx:
+            tx.send("orders", b"paid", key="k1")
+        with pytest.raises(ValueError), producer.transaction() as tx:
+            tx.send("orders", b"refund", key="k1")
+            raise ValueError("changed my mind")
+        meta = producer.send("orders", b"later", key="k2", delay_ms=600_000)
+        samples = parse(metrics.exposition(metrics.collect(broker, clients=[producer])))
+    counted = {"producer": "tx-metrics"}
+    assert value(samples, "redisq_producer_transactions_committed_total", **counted) == 1
+    assert value(samples, "redisq_producer_transactions_aborted_total", **counted) == 1
+    [(_, due)] = broker.client.zrange(
+        broker.keys.scheduled("orders", meta.partition), 0, -1, withscores=True
+    )
+    at = {"topic": "orders", "partition": meta.partition}
+    assert value(samples, "redisq_scheduled_messages", **at) == 1
+    assert value(samples, "redisq_scheduled_next_due_timestamp_seconds", **at) == due / 1000
+    other = {"topic": "orders", "partition": 1 - meta.partition}
+    assert value(samples, "redisq_scheduled_messages", **other) == 0
+    assert value(samples, "redisq_transactions_registered") == 0
+
+    unknown = lambda tx_id, messages: redisq.TxState.UNKNOWN  # noqa: E731
+    options: Any = {"check_first_ms": 50, "check_interval_ms": 50, "max_checks": 1}
+    with broker.producer(transactional_group="svc", check=unknown, **options) as producer:
+        producer.send_in_transaction("orders", b"half", key="k3", local=unknown)
+        open_now = parse(metrics.exposition(metrics.collect(broker, clients=[])))
+        deadline = time.monotonic() + 15
+        while broker.client.zcard(broker.keys.transactions()):
+            assert time.monotonic() < deadline, "check-back did not give up"
+            time.sleep(0.05)
+    assert value(open_now, "redisq_transactions", state="open") == 1
+    assert value(open_now, "redisq_transactions_registered") == 1
+    assert value(open_now, "redisq_transaction_open_oldest_age_seconds") >= 0
+    given_up = parse(metrics.exposition(metrics.collect(broker, clients=[])))
+    assert value(given_up, "redisq_unresolved_messages", group="svc") == 1
+    assert value(given_up, "redisq_transactions", state="open") == 0
+    assert not [k for k in given_up if k[0] == "redisq_scheduled_messages" and
+                ("topic", "svc~unresolved") in k[1]]  # fmt: skip
 
 
 def test_collect_fails_when_the_server_is_down() -> None:

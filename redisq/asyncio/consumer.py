@@ -282,6 +282,7 @@ class Consumer(Coordinator):
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
             messages = await self._screen(reader, messages)
+            self.stats.consumed += len(messages)
             result.extend(self._deserialize(m) for m in messages)
         return result
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import redis
 
+from redisq import metrics
 from redisq.asyncio.scheduler import Scheduler
 from redisq.coordinator import default_member_name
 from redisq.dispatch import OrderlyPartition
@@ -114,6 +115,7 @@ class Coordinator:
             await self._join(topic)
         await self._refresh_metadata()
         self._coordinator = asyncio.ensure_future(self._coordinate())
+        metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
 
     def _ref(self, topic: str) -> GroupRef:
         return GroupRef(topic, self.group)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import redis
 
-from redisq import errors
+from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
 from redisq.asyncio.delayed_sender import DelayedSender
@@ -157,6 +157,7 @@ class Producer:
             await self._transactions.recover()
             self._transactions.start()
         self._sender = asyncio.ensure_future(self._run())
+        metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
 
     async def _check_acks_supported(self) -> None:
         client = self.broker.client

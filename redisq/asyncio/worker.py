@@ -170,6 +170,7 @@ class _Handling:
         if message.__class__ is MalformedMessage:
             await self.on_malformed(reader, message, lane)
             return
+        consumer.stats.consumed += 1
         steps = handle_under_policy(message, self.policy)
         step = next(steps)
         try:
