@@ -254,11 +254,18 @@ class Coordinator:
         with self._lock:
             if renewed:
                 self.ownership.renewed(tp, sent)
-            elif self.ownership.lost(tp):
-                self.stats.leases_lost += 1
-                log.warning("%s: lease on %s/%d lost", self.name, tp[0], tp[1])
-                if tp not in self._workers:
-                    self._forget(tp)
+            else:
+                self._lease_lost(tp)
+
+    def _lease_lost(self, tp: TopicPartition) -> None:
+        """The lease on tp is gone (the lock is held): counted once; a partition no run() worker
+        handles is forgotten now, so it is acquired again once it is free (a worker's partition
+        is forgotten when the worker stops)."""
+        if self.ownership.lost(tp):
+            self.stats.leases_lost += 1
+            log.warning("%s: lease on %s/%d lost", self.name, tp[0], tp[1])
+        if tp not in self._workers:
+            self._forget(tp)
 
     def _hand_over(self, tp: TopicPartition, now: float) -> None:
         """A revoked partition: run() workers stop by themselves; in poll() mode it is finished
@@ -330,8 +337,7 @@ class Coordinator:
         except LeaseLost:
             self.stats.fenced_commits += 1
             with self._lock:
-                if self.ownership.lost(tp):
-                    self.stats.leases_lost += 1
+                self._lease_lost(tp)
             raise
         except redis.RedisError:
             with self._lock:

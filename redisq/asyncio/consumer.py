@@ -275,8 +275,7 @@ class Consumer(Coordinator):
                         tp, room, [], None
                     )
             except LeaseLost:
-                if self.ownership.lost(tp):
-                    self.stats.leases_lost += 1
+                self._lease_lost(tp)
                 continue
             except redis.RedisError as exc:
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)

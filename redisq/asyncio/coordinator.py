@@ -253,11 +253,17 @@ class Coordinator:
             return
         if renewed:
             self.ownership.renewed(tp, sent)
-        elif self.ownership.lost(tp):
+        else:
+            self._lease_lost(tp)
+
+    def _lease_lost(self, tp: TopicPartition) -> None:
+        """The lease on tp is gone: counted once; a partition no run() task handles is forgotten
+        now, so it is acquired again once it is free (see redisq.coordinator)."""
+        if self.ownership.lost(tp):
             self.stats.leases_lost += 1
             log.warning("%s: lease on %s/%d lost", self.name, tp[0], tp[1])
-            if tp not in self._workers:
-                self._forget(tp)
+        if tp not in self._workers:
+            self._forget(tp)
 
     async def _finish(self, tp: TopicPartition) -> None:
         owned = self.ownership.owned.get(tp)
@@ -308,8 +314,7 @@ class Coordinator:
             await self.io.commit(reader.lease, commit)
         except LeaseLost:
             self.stats.fenced_commits += 1
-            if self.ownership.lost(tp):
-                self.stats.leases_lost += 1
+            self._lease_lost(tp)
             raise
         except redis.RedisError:
             reader.commit_failed(commit, time.monotonic())
