@@ -301,3 +301,64 @@ def test_main_pages_render(page: Page, local_broker: redisq.Broker, tmp_path: Pa
         response = page.goto(base + "/metrics")
         assert response is not None and response.status == 200
         assert "redisq_messages_produced_total" in page.content()
+
+
+def test_transactions_and_schedules_move_live(
+    page: Page, valkey_server: ServerProcess, local_broker: redisq.Broker, tmp_path: Path
+) -> None:
+    """A transaction left open by a killed producer shows up and goes with Sweep now; a delayed
+    message shows its due time and disappears once a scheduler delivers it; a half message
+    answered UNKNOWN appears, its check count rises, then it moves to the unresolved list. The
+    live parts move without a reload."""
+    from redisq.scheduler import Scheduler
+    from redisq.transactions import TxState
+    from tests.test_console_transactions import open_transaction_in_killed_process, when
+
+    for topic in ("payments", "reminders", "digests"):
+        local_broker.create_topic(topic, partitions=2)
+    killed = open_transaction_in_killed_process(valkey_server.url, local_broker.namespace, 1000)
+    with local_broker.producer() as producer:  # closed at once: nothing delivers them yet
+        meta = producer.send("reminders", b"call back", key="cust-7", delay_ms=1_000)
+        producer.send("digests", b"weekly digest", key="cust-7", delay_ms=3_600_000)
+    [(_, due)] = local_broker.client.zrange(
+        local_broker.keys.scheduled("reminders", meta.partition), 0, -1, withscores=True
+    )
+    with console(page, local_broker, refresh_ms=300) as base:
+        page.goto(base + "/transactions")
+        mark_page(page)
+        killed_row = page.locator(f'#transactions tr[data-tx="{killed}"]')
+        expect(killed_row).to_contain_text("payments-tx")
+        expect(killed_row.locator("td").nth(1)).to_have_text("open")
+        scheduled = page.locator(
+            f'#scheduled-partitions tr[data-topic="reminders"][data-partition="{meta.partition}"]'
+        )
+        expect(scheduled.locator("td.scheduled")).to_have_text("1")
+        expect(scheduled.locator("td.due")).to_have_text(when(int(due)))
+        expect(page.locator("#scheduled-messages")).to_contain_text("call back")
+        with Scheduler(local_broker, ["reminders"]):
+            expect(scheduled).to_have_count(0, timeout=20_000)
+        expect(page.locator("#scheduled-messages")).not_to_contain_text("call back")
+        expect(page.locator("#scheduled-messages")).to_contain_text("weekly digest")
+        expect(killed_row).to_contain_text("past: due for the sweeper", timeout=20_000)
+        assert not_reloaded(page)
+        page.get_by_role("button", name="Sweep now").click()
+        expect(page.locator("#notice")).to_have_text("Swept: 1 transaction due")
+        expect(page.locator(f'#transactions tr[data-tx="{killed}"]')).to_have_count(0)
+
+        mark_page(page)
+        options: Any = {"check_first_ms": 3_000, "check_interval_ms": 3_000, "max_checks": 2}
+        unknown = lambda tx, messages: TxState.UNKNOWN  # noqa: E731
+        with local_broker.producer(transactional_group="order-svc", check=unknown, **options) as tx:
+            half = tx.send_in_transaction("payments", b"hold 42", key="order-42", local=unknown)
+            half_row = page.locator(f'#transactions tr[data-tx="{half.transaction_id}"]')
+            expect(half_row).to_contain_text("order-svc")
+            expect(half_row.locator("td.checks")).to_have_text("1", timeout=20_000)
+            shoot(page, "transactions", tmp_path)
+            expect(half_row).to_have_count(0, timeout=20_000)
+        moved = page.locator(f'#unresolved tr[data-tx="{half.transaction_id}"]')
+        expect(moved).to_contain_text("payments/")
+        expect(moved).to_contain_text("hold 42")
+        assert not_reloaded(page)
+    [delivered] = local_broker.read("reminders", meta.partition)
+    assert delivered.value == b"call back"
+    assert local_broker.client.hget(local_broker.keys.transaction(killed), "state") == b"aborted"
