@@ -230,8 +230,12 @@ class Producer:
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
         cached = self._topics.get(topic)
         if cached is None or self._deferred or self._sender is None:
-            # Type and size checks now, whatever the topic; routing once its metadata is in.
+            # Type and size checks now, whatever the topic; routing once its metadata is in. The
+            # buffer counts the deferred messages: one accepted here is one the buffer has room
+            # for when its topic is loaded.
             self._encoder.check(value, key, headers, message_id)
+            if core.buffered + len(self._deferred) >= self.settings.max_buffered_messages:
+                raise self._buffer_full()
             self._deferred.append((topic, value, key, headers, message_id, partition, future))
             if self._drainer is None or self._drainer.done():
                 self._drainer = asyncio.ensure_future(self._drain_deferred())
@@ -245,6 +249,12 @@ class Producer:
         self._enqueue(cached[1], value, key, headers, message_id, partition, future)
         return future
 
+    def _buffer_full(self) -> errors.RedisqError:
+        return errors.RedisqError(
+            f"buffer full ({self.settings.max_buffered_messages} messages): await send() or "
+            "flush() to wait for room"
+        )
+
     def _enqueue(
         self,
         config: TopicConfig,
@@ -257,10 +267,7 @@ class Producer:
     ) -> Batch:
         core = self._core
         if core.buffered >= self.settings.max_buffered_messages:
-            raise errors.RedisqError(
-                f"buffer full ({self.settings.max_buffered_messages} messages): await send() "
-                "or flush() to wait for room"
-            )
+            raise self._buffer_full()
         message = self._encoder.encode(config, value, key, headers, message_id, partition)
         batch, index, opened = core.append(
             config, message.partition, message.layout, message.parts, message.size,
