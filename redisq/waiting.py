@@ -46,7 +46,8 @@ class PendingTransaction:
 
 @dataclass(frozen=True, slots=True)
 class TransactionsSnapshot:
-    """The registry's transactions, oldest first (at most `limit` of `total`)."""
+    """The registry's transactions (at most `limit` of `total`: the first the sweeper will look
+    at), oldest first."""
 
     now_ms: int
     total: int
@@ -117,6 +118,7 @@ def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[Transa
             for i in halves
         ]
         checks = {i.transaction_id: _score(s) for i, s in zip(halves, scores, strict=True)}
+    infos.sort(key=lambda i: -i.age_ms)
     return TransactionsSnapshot(
         now_ms=now,
         total=total,

@@ -357,9 +357,26 @@ def test_exposure_beyond_loopback_needs_credentials() -> None:
     assert main(["--host", "0.0.0.0", "--url", "redis://127.0.0.1:1"]) == 2
 
 
+def test_console_command_help() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "redisq.cli", "console", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for option in ("--url", "--namespace", "--host", "--port", "--token", "--basic-auth",
+                   "--read-only", "--sample-interval"):  # fmt: skip
+        assert option in done.stdout
+
+
 def test_command_serves_and_logs_no_password(valkey_server: ServerProcess) -> None:
-    """`main(argv)` as the CLI runs it, in its own process: the log names the server with its
-    password redacted; a server that is down at start is an error message, not a traceback."""
+    """`redisq console` in its own process: it serves the pages, the log names the server with
+    its password redacted, SIGTERM stops it (exit 0); a server that is down at start is a
+    one-line error (exit 2, as every command that cannot run), not a traceback."""
     import subprocess
     import sys
 
@@ -369,9 +386,9 @@ def test_command_serves_and_logs_no_password(valkey_server: ServerProcess) -> No
                        keys=["*"], channels=["*"])  # fmt: skip
     url = f"redis://console-user:{password}@127.0.0.1:{valkey_server.port}/0"
     port = free_port()
-    code = "import sys; from redisq.console import main; sys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-m", "redisq.cli", "console"]
     process = subprocess.Popen(
-        [sys.executable, "-c", code, "--url", url, "--port", str(port), "--namespace", "cmd"],
+        [*command, "--url", url, "--port", str(port), "--namespace", "cmd", "--read-only"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -385,18 +402,23 @@ def test_command_serves_and_logs_no_password(valkey_server: ServerProcess) -> No
                 assert process.poll() is None and time.monotonic() < deadline
                 time.sleep(0.1)
         assert status == 200 and "console-user:***@" in page and password not in page
+        assert "read-only" in page
+        status, _, page = Client(f"http://127.0.0.1:{port}").get("/transactions")
+        assert status == 200 and "Transactions &amp; schedules" in page
     finally:
         process.terminate()
         _, log = process.communicate(timeout=30)
         client.acl_deluser("console-user")
+    assert process.returncode == 0, log
     assert "console-user:***@127.0.0.1" in log and password not in log
+    assert "Traceback" not in log
     down = subprocess.run(
-        [sys.executable, "-c", code, "--url", f"redis://u:{password}@127.0.0.1:1/0"],
+        [*command, "--url", f"redis://u:{password}@127.0.0.1:1/0"],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert down.returncode == 1 and "cannot reach redis://u:***@127.0.0.1:1/0" in down.stderr
+    assert down.returncode == 2 and "cannot reach redis://u:***@127.0.0.1:1/0" in down.stderr
     assert "Traceback" not in down.stderr and password not in down.stderr
 
 

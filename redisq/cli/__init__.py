@@ -17,7 +17,17 @@ from typing import Any
 import click
 import redis
 
-from redisq.cli import audit, groups, lag, messages, scheduler, server, topics, transactions
+from redisq.cli import (
+    audit,
+    console,
+    groups,
+    lag,
+    messages,
+    scheduler,
+    server,
+    topics,
+    transactions,
+)
 from redisq.cli.common import (
     BROKEN_PIPE,
     EXIT_CODES,
@@ -117,6 +127,7 @@ for _command in (
     transactions.transactions,
     audit.audit,
     scheduler.scheduler,
+    console.console,
     server.server,
     server.demo,
     server.completion,

@@ -21,7 +21,9 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -140,12 +142,29 @@ def serve(
         " (read-only)" if read_only else "",
         " (auth required)" if token or basic_auth else "",
     )
+    previous = _sigterm_as_interrupt()
     try:
         # access_log off: uvicorn would log query strings (a ?token= visit); the guard logs
         # method, path and status of every request instead.
         uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning")
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         broker.close()
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt() -> Any:
+    """SIGTERM stops the console as Ctrl-C does, and it exits 0 as every redisq command. uvicorn
+    shuts down gracefully on SIGTERM, restores the handler it found and raises the signal again:
+    this handler turns that into KeyboardInterrupt (as it does a SIGTERM before uvicorn runs).
+    Returns the previous handler (None off the main thread, where signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -173,7 +192,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`redisq console [options]`; returns the exit status."""
+    """`redisq console [options]`; returns the exit status, as the CLI's: 0 stopped (Ctrl-C,
+    SIGTERM), 2 could not run (bad options, exposure without credentials, server down)."""
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -195,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         shown = redact_url(args.url) if args.url else "REDIS_URL / the embedded server"
         print(f"redisq console: cannot reach {shown}: {type(exc).__name__}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         return 0
     return 0
