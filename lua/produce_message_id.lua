@@ -91,6 +91,9 @@ for i = 1, count do
   message_ids[i] = ARGV[12 + (i - 1) * stride + m_at]
 end
 local function lookup(bucket)
+  if count <= 1000 then
+    return redis.call('HMGET', bucket, unpack(message_ids))
+  end
   local found = {}
   for from = 1, count, 1000 do
     local last = math.min(from + 999, count)
@@ -111,48 +114,50 @@ if ring.previous_valid then
 end
 local first_in_batch = {} -- message id -> index of its first occurrence appended by this batch
 local duplicate_of = {}   -- index -> the stream ID it was first written at, or that first index
+local remembered = {}     -- id, stream ID, ... of the appended messages (HSET arguments)
+local remembered_n = 0
+local duplicates = 0
 local function claim(i, pos, id)
   local n = i + 1
   local earlier = in_current[n] or in_previous[n]
   if not earlier then
-    earlier = first_in_batch[message_ids[n]]
+    local message_id = message_ids[n]
+    earlier = first_in_batch[message_id]
     if earlier == nil then
-      first_in_batch[message_ids[n]] = n
+      first_in_batch[message_id] = n
+      remembered[remembered_n + 1] = message_id
+      remembered[remembered_n + 2] = id
+      remembered_n = remembered_n + 2
       return true
     end
   end
   duplicate_of[n] = earlier
+  duplicates = duplicates + 1
   return false
 end
 
 local appended = append_messages(KEYS[1], layout, 12, count, producer_id, nil, claim)
-local remembered = {}
-for i = 1, count do
-  if appended.ids[i] then
-    remembered[#remembered + 1] = message_ids[i]
-    remembered[#remembered + 1] = appended.ids[i]
-    if #remembered >= 1000 then
-      redis.call('HSET', current, unpack(remembered))
-      remembered = {}
-    end
-  end
+for from = 1, remembered_n, 1000 do
+  redis.call('HSET', current, unpack(remembered, from, math.min(from + 999, remembered_n)))
 end
-if #remembered > 0 then
-  redis.call('HSET', current, unpack(remembered))
-end
-local flags = {}
 local result = {'', appended.first or ''}
-for i = 1, count do
-  if appended.ids[i] then
-    flags[i] = '0'
-  else
-    flags[i] = '1'
-    local earlier = duplicate_of[i]
-    if type(earlier) == 'number' then
-      earlier = appended.ids[earlier]
+if duplicates == 0 then
+  result[1] = string.rep('0', count)
+else
+  local flags = {}
+  for i = 1, count do
+    if appended.ids[i] then
+      flags[i] = '0'
+    else
+      flags[i] = '1'
+      local earlier = duplicate_of[i]
+      if type(earlier) == 'number' then
+        earlier = appended.ids[earlier]
+      end
+      result[#result + 1] = earlier
     end
-    result[#result + 1] = earlier
   end
+  result[1] = table.concat(flags)
 end
 if batch_no == expected then
   redis.call('HSET', KEYS[4], 'batch', ARGV[8])
@@ -162,5 +167,4 @@ if appended.count > 0 then
   dedup_seal(ring)
   trim_retention(KEYS[1], appended.last, tonumber(ARGV[4]), tonumber(ARGV[5]))
 end
-result[1] = table.concat(flags)
 return result

@@ -159,6 +159,8 @@ class ProducerCore:
         on_sealed: Callable[[Batch], None] | None = None,
     ) -> None:
         self.settings = settings
+        self._max_batch_messages = settings.max_batch_messages
+        self._max_batch_bytes = settings.max_batch_bytes
         self._on_finished = on_finished
         self._on_sealed = on_sealed
         # Sequence numbers count messages; in message_id mode they count batches.
@@ -190,20 +192,30 @@ class ProducerCore:
         return state
 
     def append(
-        self, config: TopicConfig, partition: int, layout: str, parts: Any, size: int, now: float
+        self,
+        config: TopicConfig,
+        partition: int,
+        layout: str,
+        parts: bytes | list[bytes],
+        size: int,
+        now: float,
     ) -> tuple[Batch, int, bool]:
         """Add one encoded message to its partition's open batch; returns (batch, index within
-        it, whether a new batch was opened: the driver then starts its linger clock)."""
-        settings = self.settings
-        state = self.partitions.get((config.name, partition))
+        it, whether a new batch was opened: the driver then starts its linger clock). parts: the
+        message's RESP pieces (encode_message), or all of them joined in one bytes object.
+
+        Called once per message: kept to plain attribute reads (the limits are copied from the
+        settings in __init__)."""
+        key = (config.name, partition)
+        state = self.partitions.get(key)
         if state is None:
-            state = self.partitions[(config.name, partition)] = PartitionState()
+            state = self.partitions[key] = PartitionState()
         batch = state.open
         opened = False
         if batch is not None and (
             batch.layout != layout
-            or batch.count >= settings.max_batch_messages
-            or batch.nbytes + size > settings.max_batch_bytes
+            or batch.count >= self._max_batch_messages
+            or batch.nbytes + size > self._max_batch_bytes
             or batch.config is not config
         ):
             self.seal(state)
@@ -211,13 +223,16 @@ class ProducerCore:
         if batch is None:
             batch = state.open = Batch(config, partition, layout, now)
             opened = True
-        batch.args += parts
+        if isinstance(parts, bytes):
+            batch.args.append(parts)
+        else:
+            batch.args += parts
         index = batch.count
         batch.count = index + 1
         batch.nbytes += size
         self.buffered += 1
         self.stats.sent += 1
-        if index + 1 >= settings.max_batch_messages:
+        if index + 1 >= self._max_batch_messages:
             self.seal(state)
         return batch, index, opened
 

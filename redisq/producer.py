@@ -142,7 +142,9 @@ class Producer:
         self._keys = broker.keys
         self._scripts = broker.scripts
         self._client = broker.client
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._max_buffered = settings.max_buffered_messages
         self._core = ProducerCore(
             CoreSettings(
                 mode=settings.idempotence,
@@ -353,20 +355,21 @@ class Producer:
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
         cached = self._topics.get(topic)
+        now = time.monotonic()
         if cached is None:
             config = self._topic_config(topic)  # the first send to a topic reads it, here
         else:
             config = cached[1]
-            if time.monotonic() - cached[0] >= self._metadata_max_age_s:
+            if now - cached[0] >= self._metadata_max_age_s:
                 self._refresh_in_background(topic)  # a silent server must not stall send()
-        message = self._encoder.encode(config, value, key, headers, message_id, partition)
-        with self._cond:
-            if core.buffered >= self.settings.max_buffered_messages:
+        p, layout, parts, size = self._encoder.encode_fast(
+            config, value, key, headers, message_id, partition
+        )
+        # The condition's own lock: `with self._cond` costs two Python-level calls per message.
+        with self._lock:
+            if core.buffered >= self._max_buffered:
                 self._wait_for_buffer_space()
-            batch, index, opened = core.append(
-                config, message.partition, message.layout, message.parts, message.size,
-                time.monotonic(),
-            )  # fmt: skip
+            batch, index, opened = core.append(config, p, layout, parts, size, now)
             if batch.waiter is None:
                 batch.waiter = _Waiter()
             if opened or batch.sealed:

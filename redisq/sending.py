@@ -9,6 +9,7 @@ EVALSHA commands (behind ASKING after an ASK redirection) and WAIT/WAITAOF for s
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -23,13 +24,18 @@ from redisq.partitioner import StickyPartitioner, partition_for_key
 from redisq.protocol import ScriptCall
 from redisq.protocol import produce as protocol
 from redisq.protocol.produce import LAYOUTS, ProducerIdentity, encode_message
-from redisq.protocol.resp import command
+from redisq.protocol.resp import BULK_HEADERS, command
 from redisq.records import encode_headers
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transport import Redirect
 
 log = logging.getLogger("redisq.producer")
+
+_crc32 = zlib.crc32  # partitioner.partition_for_key, inlined on the hot path
+_join = b"".join
+_BULK = BULK_HEADERS
+_CRLF = b"\r\n"
 
 
 def as_bytes(what: str, value: object) -> bytes:
@@ -140,6 +146,56 @@ class MessageEncoder:
             partition = self._sticky.partition(config.name, partitions)
         layout = LAYOUTS[key is not None, headers_b is not None, mid is not None]
         return Encoded(partition, layout, encode_message(key, value, headers_b, mid), size)
+
+    def encode_fast(
+        self,
+        config: TopicConfig,
+        value: bytes | str,
+        key: bytes | str | None,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+    ) -> tuple[int, str, bytes | list[bytes], int]:
+        """encode() as (partition, layout, RESP pieces, size), for send_async's hot path.
+
+        A keyed message without headers, an explicit partition or a custom selector (with or
+        without a message id: the common shapes) is checked and encoded here in one step, as
+        one bytes object; anything else, and every error, goes through encode(). Same checks,
+        same bytes on the wire."""
+        if (
+            key is not None
+            and headers is None
+            and partition is None
+            and self._selector is None
+        ):  # fmt: skip
+            if type(value) is not bytes:
+                value = value.encode() if type(value) is str else as_bytes("value", value)
+            if type(key) is not bytes:
+                key = key.encode() if type(key) is str else as_bytes("key", key)
+            key_len, value_len = len(key), len(value)
+            size = key_len + value_len
+            if key_len and size <= self._max_bytes and value_len < 4096 and key_len < 4096:
+                if message_id is None and self._ids is None:
+                    return (
+                        _crc32(key) % config.partitions,
+                        "kv",
+                        _join((_BULK[key_len], key, _CRLF, _BULK[value_len], value, _CRLF)),
+                        size,
+                    )
+                if type(message_id) is str:
+                    message_id = message_id.encode()
+                if type(message_id) is bytes and message_id and len(message_id) < 4096:
+                    return (
+                        _crc32(key) % config.partitions,
+                        "kvm",
+                        _join(
+                            (_BULK[key_len], key, _CRLF, _BULK[value_len], value, _CRLF,
+                             _BULK[len(message_id)], message_id, _CRLF)
+                        ),
+                        size,
+                    )  # fmt: skip
+        message = self.encode(config, value, key, headers, message_id, partition)
+        return message.partition, message.layout, message.parts, message.size
 
 
 class Router(Protocol):

@@ -123,16 +123,29 @@ def _message_id_reply(reply: Any) -> BatchResult:
     )
 
 
+def sequence_bulks(first: int, count: int) -> bytes:
+    """The RESP bulk strings of the decimal numbers first, first + 1, ..., first + count - 1.
+
+    Numbers of one width share their header, so each run of them is one str.join over
+    map(str, range(...)): no Python-level work per number."""
+    runs: list[str] = []
+    number, end = first, first + count
+    while number < end:
+        digits = len(str(number))
+        stop = min(end, 10**digits)
+        header = f"${digits}\r\n"
+        runs.append(header + f"\r\n{header}".join(map(str, range(number, stop))) + "\r\n")
+        number = stop
+    return "".join(runs).encode()
+
+
 def _body(batch: SealedBatch, sequences: bool) -> tuple[bytes, int]:
     """The batch's arguments joined once; a retry sends exactly these bytes."""
     if batch.body is None:
         parts = batch.args
         batch.body_count = batch.count * len(batch.layout)
         if sequences:
-            parts = parts + [
-                b"%b%d\r\n" % (bulk_header(len(b"%d" % s)), s)
-                for s in range(batch.base_seq, batch.base_seq + batch.count)
-            ]
+            parts = [*parts, sequence_bulks(batch.base_seq, batch.count)]
             batch.body_count += batch.count
         batch.body = b"".join(parts)
     return batch.body, batch.body_count

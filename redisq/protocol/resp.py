@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-_BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
+# The bulk-string headers of lengths below 4096, ready made (BULK_HEADERS[n] = b"$<n>\r\n").
+BULK_HEADERS = [b"$%d\r\n" % n for n in range(4096)]
 
 
 def bulk_header(length: int) -> bytes:
     """The RESP bulk-string header for a value of this length."""
-    return _BULK_HEADERS[length] if length < 4096 else b"$%d\r\n" % length
+    return BULK_HEADERS[length] if length < 4096 else b"$%d\r\n" % length
 
 
 def bulk(value: bytes) -> bytes:
