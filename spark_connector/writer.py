@@ -2,30 +2,25 @@
 
     (df.write.format("redisq").option("url", url).option("topic", "orders").mode("append").save())
 
-Columns: value (required; binary or string), key, headers, topic, partition, message_id
-(optional); others are ignored. As in Spark's Kafka sink, the topic option overrides the topic
-column and a partition column is obeyed: drop it from a DataFrame read from redisq to route
-its rows by key again.
-Rows route like the Python producer: partition column, else zlib.crc32(key) % partitions, else
-(no key) sticky batches that move on round-robin.
+Columns and routing: spark_connector.write_rows.
 
-Idempotence (default "sequence"): each Spark task writes under a producer id derived from a
-name (the write job, or streaming query id, and the Spark partition), so a retried task writes
-under the id of its first attempt. Sequences
-count the task's rows per topic partition from 0, and batches are cut the same way every time,
-so a retried task re-sends the same batches with the same base sequences, which
-produce_sequence.lua answers as duplicates. In a streaming query the epoch is the micro-batch id
-+ 1: a new micro-batch starts its sequences afresh, and a replayed one (after a restart from the
-checkpoint) is recognised batch for batch. This needs the input of a retried task to come in the
-same order, as Spark's sources (this one included) give it.
+idempotence="transaction" (the default) follows Spark's commit protocol, whatever the plan above
+the write (shuffles, non-deterministic repartitions, joins) and whatever Spark retries: each task
+attempt stages its rows as one redisq transaction, invisible to consumers, and returns the
+transaction's id; the driver's commit applies exactly the winning attempts, one per Spark
+partition, and aborts every other (spark_connector.commit). A streaming epoch (micro-batch)
+records which attempts it committed, first writer wins, so an epoch replayed after a restart
+commits those same transactions (a repeat writes nothing) and aborts its own new ones. Rows of
+one task keep their order per key. The rows become visible when the driver commits, as in
+Spark's file sinks.
 
-"message_id" instead dedups on a message_id column (your idempotency key) for the topic's dedup
-window, whatever Spark replays; "none" appends plainly (a retry may write twice).
+idempotence="message_id" appends at once, deduplicated by a message_id column (your
+idempotency key) for the topic's dedup window: a re-run of a whole job writes nothing twice
+either. "none" appends at once: a retried task writes its rows again.
 
-Options: url, namespace, topic, idempotence (sequence | message_id | none), batchSize (rows
-per produce call, 500), maxInFlight (batches per pipeline round trip, 8). _failAfterRows is a
-fault-injection hook for tests: the first attempt of every task fails once that many of its
-rows are acknowledged.
+Options: url, namespace, topic, idempotence, batchSize (rows per staged or appended batch,
+1000), maxInFlight (batches per round trip, 8), transactionTimeoutMs (how long an attempt may
+wait for the driver's commit before the sweeper may abort it: 24 h).
 """
 
 from __future__ import annotations
@@ -33,9 +28,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import redis
@@ -44,201 +39,61 @@ from pyspark.sql.datasource import (
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
-from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    DataType,
-    IntegerType,
-    LongType,
-    MapType,
-    ShortType,
-    StringType,
-    StructType,
-)
 
 import redisq
-from redisq.errors import InvalidConfig, PartitionOutOfRange, RedisqError, TopicNotFound
-from redisq.partitioner import partition_for_key
+from redisq import tx_ops
+from redisq.admin import server_ms
+from redisq.errors import RedisqError, TopicNotFound
+from redisq.protocol import Command, Operation, run_operation
 from redisq.protocol import produce as protocol
-from redisq.protocol.produce import ProducerIdentity, encode_message
-from redisq.records import encode_headers
-from redisq.transport import Redirect, Transport
-from spark_connector.source import check_known, option, parse_int, resolve_url
+from redisq.protocol.produce import BatchResult, ProducerIdentity
+from redisq.protocol.transactions import StagedBatch
+from redisq.transactions import Staging, Writer, new_transaction_id
+from spark_connector import commit
+from spark_connector.write_rows import RowEncoder, WriteOptions
 
 log = logging.getLogger("redisq.spark.writer")
 
-WRITE_OPTIONS = (
-    "url",
-    "namespace",
-    "topic",
-    "idempotence",
-    "batchSize",
-    "maxInFlight",
-    "path",
-    "checkpointLocation",
-    "_failAfterRows",
-)
-IDEMPOTENCE = ("sequence", "message_id", "none")
+T = TypeVar("T")
+MAX_BATCH_BYTES = 1 << 20
 WINDOW = 16
 SEND_ATTEMPTS = 5
+_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """The writer's options and the input columns it uses, checked on the driver."""
-
-    url: str
-    namespace: str
-    topic: str | None
-    idempotence: str
-    batch_size: int
-    max_in_flight: int
-    columns: tuple[str, ...]
-    fail_after_rows: int | None = None
-
-    @classmethod
-    def parse(cls, options: Mapping[str, str], schema: StructType, overwrite: bool) -> WriteOptions:
-        check_known(options, WRITE_OPTIONS, "redisq write")
-        if overwrite:
-            raise InvalidConfig(
-                'a topic is a log: mode("overwrite") is not supported, use mode("append")'
-            )
-        idempotence = (option(options, "idempotence", "sequence") or "sequence").lower()
-        if idempotence not in IDEMPOTENCE:
-            raise InvalidConfig(f"idempotence={idempotence!r}: choose one of {IDEMPOTENCE}")
-        types = {f.name.lower(): f.dataType for f in schema.fields}
-        names = {f.name.lower(): f.name for f in schema.fields}
-        if "value" not in types:
-            raise InvalidConfig("the DataFrame needs a value column (binary or string)")
-        _check_type("value", types["value"], (BinaryType, StringType))
-        used = ["value"]
-        for column, allowed in (
-            ("key", (BinaryType, StringType)),
-            ("topic", (StringType,)),
-            ("partition", (IntegerType, LongType, ShortType)),
-            ("message_id", (BinaryType, StringType, LongType, IntegerType)),
-        ):
-            if column in types:
-                _check_type(column, types[column], allowed)
-                used.append(column)
-        if "headers" in types:
-            _check_headers_type(types["headers"])
-            used.append("headers")
-        topic = option(options, "topic")
-        if topic is None and "topic" not in types:
-            raise InvalidConfig('name the topic: option("topic", ...) or a topic column')
-        if idempotence == "message_id" and "message_id" not in types:
-            raise InvalidConfig('idempotence="message_id" needs a message_id column')
-        return cls(
-            url=resolve_url(options),
-            namespace=option(options, "namespace", "rq") or "rq",
-            topic=topic,
-            idempotence=idempotence,
-            batch_size=_bounded("batchSize", option(options, "batchSize"), 500, 1, 10_000),
-            max_in_flight=_bounded("maxInFlight", option(options, "maxInFlight"), 8, 1, 100),
-            columns=tuple(names[c] for c in used),
-            fail_after_rows=parse_int("_failAfterRows", option(options, "_failAfterRows"), 1),
-        )
-
-
-def _bounded(name: str, text: str | None, default: int, low: int, high: int) -> int:
-    value = parse_int(name, text, low)
-    if value is None:
-        return default
-    if value > high:
-        raise InvalidConfig(f"{name}={value} is out of range: {low}..{high}")
-    return value
-
-
-def _check_type(column: str, data_type: DataType, allowed: tuple[type, ...]) -> None:
-    if not isinstance(data_type, allowed):
-        names = " or ".join(t.__name__.removesuffix("Type").lower() for t in allowed)
-        raise InvalidConfig(f"column {column} is {data_type.simpleString()}; expected {names}")
-
-
-def _check_headers_type(data_type: DataType) -> None:
-    ok = False
-    if isinstance(data_type, MapType):
-        ok = isinstance(data_type.keyType, StringType) and isinstance(
-            data_type.valueType, BinaryType | StringType
-        )
-    elif isinstance(data_type, ArrayType) and isinstance(data_type.elementType, StructType):
-        fields = {f.name: f.dataType for f in data_type.elementType.fields}
-        ok = isinstance(fields.get("key"), StringType) and isinstance(
-            fields.get("value"), BinaryType | StringType
-        )
-    if not ok:
-        raise InvalidConfig(
-            f"column headers is {data_type.simpleString()}; expected map<string,binary|string> "
-            "or array<struct<key:string,value:binary|string>> (as the reader gives it)"
-        )
+__all__ = ["RedisqBatchWriter", "RedisqStreamWriter", "WriteCommit", "WriteOptions"]
 
 
 @dataclass
-class WriteStats(WriterCommitMessage):
-    """One task's outcome, sent back to the driver."""
+class WriteCommit(WriterCommitMessage):
+    """One task attempt's outcome, sent back to the driver."""
 
+    write_id: str
     spark_partition: int
     attempt: int
-    written: int = 0
-    duplicates: int = 0
+    tx_id: str | None  # the staged transaction (None: nothing staged, or a direct mode)
+    rows: int = 0
     batches: int = 0
-
-
-# -- one task ----------------------------------------------------------------------------------
-def _as_bytes(value: Any) -> bytes | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int):
-        return b"%d" % value
-    return bytes(value)
-
-
-def _headers_blob(value: Any) -> bytes:
-    if not value:
-        return b""
-    pairs: Iterable[tuple[Any, Any]]
-    if isinstance(value, Mapping):
-        pairs = value.items()
-    elif isinstance(value[0], tuple):  # a map column in Arrow: [(name, value), ...]
-        pairs = value
-    else:  # array<struct<key, value>>: [{"key": name, "value": value}, ...]
-        pairs = [(h["key"], h["value"]) for h in value]
-    return encode_headers({name: (v if v is not None else b"") for name, v in pairs})
-
-
-@dataclass
-class _Pending:
-    """Rows bound for one topic partition, not yet cut into a batch."""
-
-    keys: list[bytes | None] = field(default_factory=list)
-    values: list[bytes] = field(default_factory=list)
-    headers: list[bytes] = field(default_factory=list)
-    message_ids: list[bytes] = field(default_factory=list)
+    duplicates: int = 0
 
 
 @dataclass
 class _Batch:
-    """A sealed batch (protocol.produce.SealedBatch): args are RESP pieces."""
+    """A staged batch as protocol.produce takes it (SealedBatch), for the direct modes."""
 
     topic: str
     partition: int
-    base_seq: int
-    count: int
     layout: str
+    count: int
+    base_seq: int
     args: list[bytes]
-    body: bytes | None = None
-    body_count: int = 0
+    body: bytes | None
+    body_count: int
 
 
 class _TaskWriter:
-    """Writes one Spark task's rows; see the module docstring for the idempotence scheme."""
+    """Writes one Spark task attempt's rows: staged into its transaction, or appended."""
 
-    def __init__(self, opts: WriteOptions, job_id: str) -> None:
+    def __init__(self, opts: WriteOptions, write_id: str) -> None:
         from pyspark import TaskContext
 
         self.opts = opts
@@ -247,28 +102,17 @@ class _TaskWriter:
         self.attempt = context.attemptNumber() if context else 0
         batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
         query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
-        self.job = query_id or job_id
-        # Streaming: a micro-batch is an epoch, so its sequences start at 0 and a replay of the
-        # same micro-batch meets the state it left. Batch jobs write epoch 0.
-        self.epoch = int(batch_id) + 1 if batch_id is not None else 0
+        if batch_id is not None:  # a streaming epoch: the query's id survives its restarts
+            write_id = f"{query_id or write_id}-{batch_id}"
         self.broker = redisq.connect(opts.url, namespace=opts.namespace)
         self.keys = self.broker.keys
-        self.scripts = self.broker.scripts
-        self.stats = WriteStats(self.spark_partition, self.attempt)
-        self.identity = ProducerIdentity(self._producer_id(), self.epoch)
+        self.result = WriteCommit(write_id, self.spark_partition, self.attempt, None)
+        self.staging = Staging(opts.batch_size, MAX_BATCH_BYTES)
+        self._sent = 0  # batches written to Redis (the next one's index in the transaction)
         self._configs: dict[str, redisq.TopicConfig] = {}
-        self._pending: dict[tuple[str, int], _Pending] = {}
-        self._next_seq: dict[tuple[str, int], int] = {}
-        self._acked_next: dict[tuple[str, int], int] = {}
-        self._sealed: list[_Batch] = []
-        self._keyless = 0
-
-    def _producer_id(self) -> int:
-        if self.opts.idempotence == "none":
-            return protocol.random_producer_id()
-        # Every attempt of this task derives the same id: its re-sent batches meet the state the
-        # first attempt left, and are answered as duplicates.
-        return protocol.named_producer_id(f"spark-writer\0{self.job}\0{self.spark_partition}")
+        self._writer: Writer | None = None
+        self._identity: ProducerIdentity | None = None
+        self._next_batch: dict[tuple[str, int], int] = {}
 
     def _config(self, topic: str) -> redisq.TopicConfig:
         config = self._configs.get(topic)
@@ -276,206 +120,191 @@ class _TaskWriter:
             config = self._configs[topic] = self.broker.topic_config(topic, refresh=True)
         return config
 
-    def write(self, batches: Iterator[pa.RecordBatch]) -> WriteStats:
+    def _run(self, make: Callable[[], Operation[T]]) -> T:
+        """Run an idempotent operation, again after a connection error."""
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                return run_operation(make(), self.broker.scripts.execute)
+            except _NETWORK_ERRORS as exc:
+                if attempt == SEND_ATTEMPTS:
+                    raise
+                log.warning("%s; sending again", type(exc).__name__)
+                time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def write(self, batches: Iterator[pa.RecordBatch]) -> WriteCommit:
+        encoder = RowEncoder(self.opts, self._config, self.spark_partition)
         try:
             for record_batch in batches:
-                self._add_rows(record_batch)
-            for tp in sorted(self._pending):
-                self._seal(tp)
-            self._send()
+                for row in encoder.rows(record_batch):
+                    self.staging.add(row.topic, row.partition, row.layout, row.parts, row.size)
+                    self.result.rows += 1
+                    if self.staging.full():
+                        self.staging.seal_all()
+                        if len(self.staging.staged) >= self.opts.max_in_flight:
+                            self._flush()
+            self.staging.seal_all()
+            self._flush()
         finally:
             self.broker.close()
         log.info(
-            "task %d attempt %d: %d written, %d duplicates",
+            "write %s task %d attempt %d: %d rows in %d batches (%s)",
+            self.result.write_id,
             self.spark_partition,
             self.attempt,
-            self.stats.written,
-            self.stats.duplicates,
+            self.result.rows,
+            self.result.batches,
+            self.result.tx_id or self.opts.idempotence,
         )
-        return self.stats
+        return self.result
 
-    def _add_rows(self, record_batch: pa.RecordBatch) -> None:
-        opts = self.opts
-        names = record_batch.schema.names
-        lower = {n.lower(): n for n in names}
-
-        def column(name: str) -> list[Any] | None:
-            real = lower.get(name)
-            return record_batch.column(real).to_pylist() if real is not None else None
-
-        values = column("value") or []
-        keys = column("key")
-        topics = column("topic")
-        partitions = column("partition")
-        headers = column("headers")
-        message_ids = column("message_id")
-        for i, value in enumerate(values):
-            # As in Spark's Kafka sink, the topic option overrides the topic column.
-            topic = opts.topic or (topics[i] if topics is not None else None)
-            if topic is None:
-                raise InvalidConfig(f"row {i}: no topic (the topic column is null, no option)")
-            config = self._config(topic)
-            key = _as_bytes(keys[i]) if keys is not None else None
-            if not key:
-                key = None  # the producer refuses empty keys; an empty key is no key
-            explicit = partitions[i] if partitions is not None else None
-            if explicit is not None:
-                if not 0 <= explicit < config.partitions:
-                    raise PartitionOutOfRange(topic, explicit, config.partitions)
-                p = explicit
-            elif key is not None:
-                p = partition_for_key(key, config.partitions)
-            else:
-                # Sticky, and deterministic: a retried task must route every row the same way.
-                p = (self.spark_partition + self._keyless // opts.batch_size) % config.partitions
-                self._keyless += 1
-            pending = self._pending.get((topic, p))
-            if pending is None:
-                pending = self._pending[(topic, p)] = _Pending()
-            pending.keys.append(key)
-            pending.values.append(_as_bytes(value) or b"")
-            if headers is not None:
-                pending.headers.append(_headers_blob(headers[i]))
-            if message_ids is not None:
-                mid = _as_bytes(message_ids[i])
-                if opts.idempotence == "message_id" and not mid:
-                    raise InvalidConfig(f"row {i}: message_id is null or empty")
-                pending.message_ids.append(mid or b"")
-            if len(pending.values) >= opts.batch_size:
-                self._seal((topic, p))
-                if len(self._sealed) >= opts.max_in_flight:
-                    self._send()
-
-    def _seal(self, tp: tuple[str, int]) -> None:
-        """Cut the partition's pending rows into one batch, frozen with its base sequence."""
-        pending = self._pending.pop(tp, None)
-        if pending is None or not pending.values:
+    def _flush(self) -> None:
+        new = self.staging.staged
+        if not new:
             return
-        count = len(pending.values)
-        all_keys = all(k is not None for k in pending.keys)
-        no_keys = all(k is None for k in pending.keys)
-        with_headers = any(pending.headers)
-        with_ids = self.opts.idempotence == "message_id"
-        # The fast layouts (kv, v, kvm, vm) write every argument; mixed batches take the
-        # general layout, where an empty key or headers argument leaves the field out.
-        if not with_headers and (all_keys or no_keys):
-            layout = ("k" if all_keys else "") + "v" + ("m" if with_ids else "")
+        if self.opts.idempotence == "transaction":
+            self._stage(new)
         else:
-            layout = "kvh" + ("m" if with_ids else "")
-        args: list[bytes] = []
-        for i in range(count):
-            args += encode_message(
-                (pending.keys[i] or b"") if "k" in layout else None,
-                pending.values[i],
-                (pending.headers[i] if pending.headers else b"") if "h" in layout else None,
-                pending.message_ids[i] if "m" in layout else None,
-            )
-        base = self._next_seq.get(tp, 0)
-        self._next_seq[tp] = base + (count if self.opts.idempotence == "sequence" else 1)
-        self._sealed.append(_Batch(tp[0], tp[1], base, count, layout, args))
+            self._append(new)
+        self._sent += len(new)
+        self.result.batches += len(new)
+        self.staging.staged = []  # in Redis now: memory stays bounded
 
-    def _send(self) -> None:
-        """Send the sealed batches in one pipeline, in order. Sending again after an error is
-        safe: a batch that was written answers DUP."""
-        if not self._sealed:
-            return
+    # -- idempotence="transaction" ----------------------------------------------------------
+    def _stage(self, new: list[StagedBatch]) -> None:
+        first = self._sent
+        if self._writer is None:
+            self._writer = self._begin()
+        keys, tx_id, writer = self.keys, self.result.tx_id, self._writer
+        assert tx_id is not None
+        self._run(lambda: tx_ops.stage(keys, tx_id, writer, new, first, register=first == 0))
+
+    def _begin(self) -> Writer:
+        """The attempt's transaction: recorded under the write first (so the driver can abort
+        it if it loses), by an anonymous writer whose epoch is the server's clock."""
+        tx_id = self.result.tx_id = new_transaction_id()
+        description = f"{self.spark_partition}:{self.attempt}"
+        write_id, keys = self.result.write_id, self.keys
+        self._run(lambda: commit.register_attempt(keys, write_id, tx_id, description))
+        epoch = self.broker.scripts.execute(Command(("TIME",), server_ms))
+        timeout = self.opts.transaction_timeout_ms
+        return Writer(
+            producer_id=protocol.random_producer_id(),
+            name=None,
+            epoch=epoch,
+            timeout_ms=timeout,
+            expire_ms=timeout + 3_600_000,
+        )
+
+    # -- idempotence="message_id" / "none" ----------------------------------------------------
+    def _append(self, new: list[StagedBatch]) -> None:
+        if self._identity is None:
+            self._identity = ProducerIdentity(protocol.random_producer_id(), 0)
+        mode = "message_id" if self.opts.idempotence == "message_id" else None
+        batches = []
+        for staged in new:
+            tp = (staged.topic, staged.partition)
+            number = self._next_batch.get(tp, 0)
+            self._next_batch[tp] = number + 1
+            count = staged.count * len(staged.layout)
+            batches.append(_Batch(*tp, staged.layout, staged.count, number, [], staged.body, count))
+        calls = [
+            protocol.produce(
+                self.keys,
+                mode,
+                self._identity,
+                self._config(b.topic),
+                b,
+                acked_next=b.base_seq,  # batches of a partition go in order, one at a time
+                window=WINDOW,
+            )
+            for b in batches
+        ]
+        # Partition by partition, in rounds, so batch n+1 of a partition never precedes batch n.
+        rounds: dict[int, list[int]] = {}
+        seen: dict[tuple[str, int], int] = {}
+        for i, b in enumerate(batches):
+            k = seen[(b.topic, b.partition)] = seen.get((b.topic, b.partition), -1) + 1
+            rounds.setdefault(k, []).append(i)
+        for k in sorted(rounds):
+            round_calls = [calls[i] for i in rounds[k]]
+            replies = self._send(round_calls)
+            for i, reply in zip(rounds[k], replies, strict=True):
+                self._settle(batches[i], reply)
+
+    def _send(self, calls: list[Any]) -> list[Any]:
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:
-                replies = self._send_once()
-                break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if attempt == SEND_ATTEMPTS:
-                    raise
-                log.warning("send failed (%s), sending again", type(exc).__name__)
-                time.sleep(0.1 * 2**attempt)
-        for batch, reply in zip(self._sealed, replies, strict=True):
-            self._settle(batch, reply)
-        self._sealed = []
-        fail_after = self.opts.fail_after_rows
-        if fail_after is not None and self.attempt == 0 and self.stats.written >= fail_after:
-            raise RuntimeError(
-                f"_failAfterRows: injected failure of task {self.spark_partition} after "
-                f"{self.stats.written} rows were written"
-            )
-
-    def _send_once(self) -> list[Any]:
-        """One round on the producer's transport (a connection per node, pre-encoded EVALSHA
-        commands): works on Redis Cluster, where a pipeline of scripts across slots does not."""
-        transport = Transport(self.broker.client)
-        try:
-            sent: dict[str, list[int]] = {}
-            payloads: dict[str, list[bytes]] = {}
-            calls = []
-            for i, batch in enumerate(self._sealed):
-                call = protocol.produce(
-                    self.keys,
-                    None if self.opts.idempotence == "none" else self.opts.idempotence,
-                    self.identity,
-                    self._config(batch.topic),
-                    batch,
-                    acked_next=self._acked_next.get((batch.topic, batch.partition), 0),
-                    window=WINDOW,
-                )
-                calls.append(call)
-                node = transport.node_for(call.keys[0])
-                sent.setdefault(node, []).append(i)
-                payloads.setdefault(node, []).append(self.scripts.pack(call))
-            replies: list[Any] = [None] * len(calls)
-            for node, parts in payloads.items():
-                transport.send(node, b"".join(parts))
-            for node, indexes in sent.items():
-                for i, reply in zip(indexes, transport.read(node, len(indexes)), strict=True):
-                    replies[i] = reply
-        finally:
-            transport.close()
-        if any(isinstance(r, Redirect) for r in replies):
-            raise redis.ConnectionError("the cluster's slots moved; sending again")
-        if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            # A restarted server: NOSCRIPT means that script did not run. Load and send again.
-            for name in ("produce_sequence", "produce_message_id", "produce"):
-                self.scripts.load(name)
-            raise redis.ConnectionError("scripts were not loaded")
-        return [
-            reply if isinstance(reply, Exception) else call.decode(reply)
-            for call, reply in zip(calls, replies, strict=True)
-        ]
+                replies = self.broker.scripts.execute(calls)
+            except _NETWORK_ERRORS as exc:
+                replies = [exc]
+            errors = [r for r in replies if isinstance(r, _NETWORK_ERRORS)]
+            if not errors:
+                return list(replies)
+            if attempt == SEND_ATTEMPTS or self.opts.idempotence == "none":
+                raise errors[0]
+            log.warning("%s; sending again", type(errors[0]).__name__)
+            time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _settle(self, batch: _Batch, reply: Any) -> None:
-        if isinstance(reply, Exception):
-            mapped = redisq.errors.from_reply(str(reply), batch.topic)
-            raise mapped if mapped is not None else reply
-        tp = (batch.topic, batch.partition)
-        self._acked_next[tp] = batch.base_seq + (
-            batch.count if self.opts.idempotence == "sequence" else 1
-        )
-        self.stats.batches += 1
-        if self.opts.idempotence == "message_id":
-            dups = reply.flags.count("1")
-            self.stats.duplicates += dups
-            self.stats.written += batch.count - dups
-        elif self.opts.idempotence == "sequence" and reply.duplicate:
-            self.stats.duplicates += batch.count
-        else:
-            self.stats.written += batch.count
+        if isinstance(reply, BaseException):
+            raise reply
+        assert isinstance(reply, BatchResult)
+        if reply.flags is not None:
+            self.result.duplicates += reply.flags.count("1")
 
 
-def _summarise(messages: list[WriterCommitMessage | None], what: str) -> None:
-    stats = [m for m in messages if isinstance(m, WriteStats)]
-    log.info(
-        "%s: %d rows written, %d duplicates skipped, %d tasks",
-        what,
-        sum(s.written for s in stats),
-        sum(s.duplicates for s in stats),
-        len(stats),
-    )
+def _winners(messages: list[WriterCommitMessage | None]) -> tuple[str | None, list[str], int]:
+    """The write id, the winning attempts' transactions and their rows."""
+    results = [m for m in messages if isinstance(m, WriteCommit)]
+    write_id = results[0].write_id if results else None
+    winners = [m.tx_id for m in results if m.tx_id is not None]
+    return write_id, winners, sum(m.rows for m in results)
 
 
-class RedisqBatchWriter(DataSourceArrowWriter):
-    """df.write: one PID per (this write job, Spark partition)."""
+class _Driver:
+    """The driver's side of a write: commit the winners, abort the others."""
 
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
-        self.job_id = f"job-{uuid.uuid4().hex[:16]}"  # made on the driver: retries share it
+
+    def commit(self, messages: list[WriterCommitMessage | None], what: str) -> None:
+        write_id, winners, rows = _winners(messages)
+        if self.opts.idempotence != "transaction" or write_id is None:
+            log.info("%s: %d rows written", what, rows)
+            return
+        with redisq.connect(self.opts.url, namespace=self.opts.namespace) as broker:
+            outcome = run_operation(
+                commit.commit_write(broker.keys, write_id, winners), broker.scripts.execute
+            )
+        log.info(
+            "%s: %d transactions committed%s (%d messages appended), %d other attempts aborted",
+            what,
+            len(outcome.committed),
+            " as its first run decided" if outcome.replayed else "",
+            outcome.appended,
+            len(outcome.aborted),
+        )
+
+    def abort(self, messages: list[WriterCommitMessage | None], what: str) -> None:
+        write_id, reported, _ = _winners(messages)
+        if self.opts.idempotence != "transaction" or write_id is None:
+            log.warning("%s aborted (rows appended directly stay written)", what)
+            return
+        with redisq.connect(self.opts.url, namespace=self.opts.namespace) as broker:
+            aborted = run_operation(
+                commit.abort_write(broker.keys, write_id, reported), broker.scripts.execute
+            )
+        log.warning("%s aborted: %d attempts rolled back, nothing written", what, len(aborted))
+
+
+class RedisqBatchWriter(DataSourceArrowWriter):
+    """df.write: one transaction per task attempt, committed by the driver."""
+
+    def __init__(self, opts: WriteOptions) -> None:
+        self.opts = opts
+        self.job_id = f"job-{uuid.uuid4().hex}"  # made on the driver: every attempt shares it
         self._check_topic()
 
     def _check_topic(self) -> None:
@@ -489,28 +318,29 @@ class RedisqBatchWriter(DataSourceArrowWriter):
             except RedisqError:  # pragma: no cover - reported by the tasks instead
                 pass
 
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteStats:
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
         return _TaskWriter(self.opts, self.job_id).write(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        _summarise(messages, f"write {self.job_id}")
+        _Driver(self.opts).commit(messages, f"write {self.job_id}")
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        _summarise(messages, f"aborted write {self.job_id} (rows written stay written)")
+        _Driver(self.opts).abort(messages, f"write {self.job_id}")
 
 
 class RedisqStreamWriter(DataSourceStreamArrowWriter):
-    """writeStream: one PID per (query id, Spark partition), epoch = micro-batch id + 1."""
+    """writeStream: each micro-batch is a write of its own, named by the query id (which
+    survives restarts from the checkpoint) and the batch id."""
 
     def __init__(self, opts: WriteOptions) -> None:
         self.opts = opts
-        self.job_id = f"stream-{uuid.uuid4().hex[:16]}"  # used only if no query id is visible
+        self.job_id = f"stream-{uuid.uuid4().hex}"  # used only if no query id is visible
 
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteStats:
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
         return _TaskWriter(self.opts, self.job_id).write(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        _summarise(messages, f"micro-batch {batchId}")
+        _Driver(self.opts).commit(messages, f"micro-batch {batchId}")
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        _summarise(messages, f"aborted micro-batch {batchId} (a replay writes no row twice)")
+        _Driver(self.opts).abort(messages, f"micro-batch {batchId}")

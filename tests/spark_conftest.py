@@ -85,3 +85,59 @@ def produce(
         for i in range(start, start + count):
             producer.send_async(topic, b"v%d" % i, key=b"k%d" % (i % keys), **extra)
         producer.flush()
+
+
+def transaction_states(broker: redisq.Broker) -> dict[str, str]:
+    """tx id -> state of every transaction record in the broker's namespace (the Spark
+    writer's task attempts; its write records are left out)."""
+    states = {}
+    pattern = f"{broker.namespace}:{{~tx:*}}:record"
+    for key in broker.client.scan_iter(match=pattern, count=1000):
+        name = key.decode() if isinstance(key, bytes) else key
+        tx_id = name.split("{~tx:", 1)[1].split("}", 1)[0]
+        if tx_id.startswith("spark~"):
+            continue
+        state = broker.client.hget(key, "state")
+        states[tx_id] = state.decode() if state else "?"
+    return states
+
+
+def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None = None) -> Any:
+    """df whose tasks fail on their first attempt once `after_rows` rows went through them: a
+    task-side failure injected from outside the connector (a UDF in the test's DataFrame).
+
+    With broker: the failure waits (60 s at most) until the writer's attempt has registered its
+    transaction in Redis, i.e. has staged rows, so the failed attempt leaves staged rows behind
+    whatever the timing. Needs small Arrow batches (spark.sql.execution.arrow.maxRecordsPerBatch)
+    so that rows reach the writer while the UDF still runs."""
+    from pyspark.sql import functions as F
+
+    url = broker_url(broker) if broker is not None else None
+    pattern = f"{broker.namespace}:{{~tx:spark~*}}:record" if broker is not None else ""
+
+    def passthrough(value: Any) -> Any:
+        # Nested, so cloudpickle ships it by value (workers need not import the tests).
+        import time
+
+        import redis
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        seen = passthrough.__dict__.setdefault("seen", {})
+        slot = (context.stageId(), context.partitionId(), context.attemptNumber())
+        seen[slot] = seen.get(slot, 0) + 1
+        if context.attemptNumber() == 0 and seen[slot] > after_rows:
+            if url is not None:
+                me = f"{context.partitionId()}:0".encode()
+                client = redis.Redis.from_url(url)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    keys = list(client.scan_iter(match=pattern, count=1000))
+                    if any(me in client.hvals(k) for k in keys):
+                        break
+                    time.sleep(0.05)
+            raise RuntimeError(f"injected failure of task {context.partitionId()}")
+        return value
+
+    udf = F.udf(passthrough, df.schema["value"].dataType)
+    return df.withColumn("value", udf("value"))

@@ -1,9 +1,10 @@
-"""Writing DataFrames to topics with the "redisq" data source: routing and exactly once."""
+"""Writing DataFrames to topics with the "redisq" data source: routing and exactly once (local
+mode; the standalone cluster with a killed executor is tests/test_spark_standalone.py)."""
 # ruff: noqa: F811  (pytest fixtures are imported from tests.spark_conftest)
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,12 @@ import redisq
 from redisq.partitioner import partition_for_key
 from tests.spark_conftest import (  # noqa: F401
     broker_url,
+    fail_first_attempts,
     produce,
     spark,
     spark_broker,
     stream_reader,
+    transaction_states,
 )
 
 pytestmark = pytest.mark.spark
@@ -32,6 +35,11 @@ def write(df: Any, broker: redisq.Broker, **options: Any) -> None:
 
 def all_messages(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
     return [m for p in range(broker.topic_config(topic).partitions) for m in broker.read(topic, p)]
+
+
+def content(broker: redisq.Broker, topic: str) -> Counter[tuple[bytes | None, bytes]]:
+    """The topic as a multiset of (key, value): what a row-for-row comparison needs."""
+    return Counter((m.key, m.value) for m in all_messages(broker, topic))
 
 
 def test_write_routes_like_the_python_producer(spark: Any, spark_broker: redisq.Broker) -> None:
@@ -52,45 +60,53 @@ def test_write_routes_like_the_python_producer(spark: Any, spark_broker: redisq.
             assert m.partition == partition_for_key(m.key, 4)
         else:
             assert i % 5 == 0
-    # Per key, the order within a Spark partition is kept: sequences rise with offsets.
-    for p in range(4):
-        last: dict[int | None, int] = {}
-        for m in spark_broker.read("out", p):
-            assert m.sequence is not None and m.sequence > last.get(m.producer_id, -1)
-            last[m.producer_id] = m.sequence
+    assert all(state == "committed" for state in transaction_states(spark_broker).values())
 
 
-def test_task_that_fails_once_still_writes_every_row_exactly_once(
+def test_rows_of_one_task_keep_their_order_per_key(spark: Any, spark_broker: redisq.Broker) -> None:
+    spark_broker.create_topic("ordered", partitions=3)
+    df = spark.range(0, 4000, numPartitions=2).selectExpr(
+        "cast(id % 17 as string) as key", "cast(id as string) as value"
+    )
+    write(df, spark_broker, topic="ordered", batchSize=64, maxInFlight=2)
+    by_task: dict[tuple[bytes | None, int | None], list[int]] = {}
+    for m in all_messages(spark_broker, "ordered"):
+        by_task.setdefault((m.key, m.producer_id), []).append(int(m.value))
+    assert len({pid for _, pid in by_task}) == 2  # one writer per task
+    for values in by_task.values():
+        assert values == sorted(values)
+    assert sum(len(v) for v in by_task.values()) == 4000
+
+
+def test_failed_task_attempts_after_a_shuffle_leave_every_row_exactly_once(
     spark: Any, spark_broker: redisq.Broker
 ) -> None:
     spark_broker.create_topic("once", partitions=3)
-    df = spark.range(0, 3000, numPartitions=2).selectExpr(
-        "cast(id as string) as key", "cast(concat('v', id) as binary) as value"
+    source = spark.range(0, 6000, numPartitions=3).selectExpr(
+        "cast(id % 101 as string) as key",
+        "cast(concat('v', id, ':', repeat('x', 200)) as binary) as value",
     )
-    # Each task's first attempt dies after 600 rows were acknowledged by the broker; Spark
-    # retries it (local[2,2]: spark.task.maxFailures=2) and the retry re-sends those batches.
+    # After the shuffle, each write task's first attempt dies once 1,500 of its rows went
+    # through (by then it has staged batches); Spark retries it (local[2,2]: 2 attempts).
+    df = fail_first_attempts(source.repartition(2, "key"), 1500, spark_broker)
     context = spark.sparkContext
     context.setJobGroup("fail-once", "writer with injected task failures")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "200")
     try:
-        write(df, spark_broker, topic="once", batchSize=100, maxInFlight=2, _failAfterRows=600)
+        write(df, spark_broker, topic="once", batchSize=100, maxInFlight=2)
     finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
         context.setLocalProperty("spark.jobGroup.id", None)
     tracker = context.statusTracker()
     stages = [
         s for j in tracker.getJobIdsForGroup("fail-once") for s in tracker.getJobInfo(j).stageIds
     ]
     assert sum(tracker.getStageInfo(s).numFailedTasks for s in stages) == 2  # both retried
-    messages = all_messages(spark_broker, "once")
-    values = [m.value for m in messages]
-    assert len(values) == len(set(values)) == 3000
-    # One PID per Spark partition, shared by both attempts, and each (PID, partition) holds
-    # sequences 0..n-1 exactly: nothing written twice, nothing skipped.
-    by_pid: dict[tuple[int | None, int], list[int | None]] = defaultdict(list)
-    for m in messages:
-        by_pid[(m.producer_id, m.partition)].append(m.sequence)
-    assert len({pid for pid, _ in by_pid}) == 2
-    for seqs in by_pid.values():
-        assert seqs == list(range(len(seqs)))
+    expected = Counter((bytes(r.key, "ascii"), bytes(r.value)) for r in source.collect())
+    assert content(spark_broker, "once") == expected
+    # The failed attempts had staged rows: their transactions were aborted, not committed.
+    states = Counter(transaction_states(spark_broker).values())
+    assert states == Counter({"committed": 2, "aborted": 2})
 
 
 def test_message_id_column_dedups_a_second_write(spark: Any, spark_broker: redisq.Broker) -> None:
@@ -113,6 +129,8 @@ def test_bad_write_options_are_reported(spark: Any, spark_broker: redisq.Broker)
     with pytest.raises(Exception, match="needs a value column"):
         write(df, spark_broker, topic="w")
     df = spark.createDataFrame([("a",)], "value string")
+    with pytest.raises(Exception, match="choose one of"):
+        write(df, spark_broker, topic="w", idempotence="sequence")
     with pytest.raises(Exception, match="overwrite"):
         (
             df.write.format("redisq")
@@ -166,3 +184,6 @@ def test_stream_copy_with_a_replayed_micro_batch_writes_nothing_twice(
     assert sorted(m.value for m in copied) == sorted(b"v%d" % i for i in range(300))
     for m in copied:
         assert m.partition == partition_for_key(m.key or b"", 2)
+    # The replay's own attempts were aborted; nothing is left open.
+    assert "open" not in set(transaction_states(spark_broker).values())
+    assert "aborted" in set(transaction_states(spark_broker).values())

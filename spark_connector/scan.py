@@ -1,0 +1,249 @@
+"""Planning and reading ranges of partition streams: one Spark partition per topic partition
+(split by time with minPartitions), each read with XRANGE over [start, end) into Arrow batches.
+
+Every plain command goes to its key's node with raw replies (spark_connector.raw), so the same
+code reads standalone servers, Sentinel and Redis Cluster; count_range.lua goes through redisq's
+Scripts, which are cluster-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import InputPartition
+
+import redisq
+from redisq.errors import PartitionOutOfRange, RedisqError
+from redisq.protocol import Command
+from spark_connector.arrow_rows import MalformedCount, arrow_schema, to_record_batch
+from spark_connector.offsets import StreamState, id_less, id_parts
+from spark_connector.options import ReadOptions
+from spark_connector.raw import REDIRECTS, RawNodes, pairs
+
+log = logging.getLogger("redisq.spark.source")
+
+
+class DataLossError(RedisqError):
+    """Retention (or XDEL) removed messages the query has not read yet (failOnDataLoss=true)."""
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def xinfo_stream(key: str) -> Command[StreamState]:
+    """XINFO STREAM, decoded from the raw reply (first entry and last generated ID)."""
+
+    def decode(reply: Any) -> StreamState:
+        info = pairs(reply)
+        first = info.get("first-entry")
+        return StreamState(
+            first_id=_decode(first[0]) if first else None,
+            last_generated_id=_decode(info.get("last-generated-id") or b"0-0"),
+        )
+
+    return Command(("XINFO", "STREAM", key), decode)
+
+
+def xrange(key: str, start: str, end: str, count: int, reverse: bool = False) -> Command[Any]:
+    """XRANGE start end COUNT count (XREVRANGE end start when reverse): raw [[id, [f, v, ...]]]."""
+    if reverse:
+        return Command(("XREVRANGE", key, end, start, "COUNT", count))
+    return Command(("XRANGE", key, start, end, "COUNT", count))
+
+
+def stream_states(broker: redisq.Broker, parts: Sequence[tuple[str, int]]) -> list[StreamState]:
+    """XINFO STREAM of many partitions, one round trip per node."""
+    keys = [broker.keys.log(topic, p) for topic, p in parts]
+    return RawNodes(broker.client).run_all([(key, xinfo_stream(key)) for key in keys])
+
+
+def topic_partitions(broker: redisq.Broker, opts: ReadOptions) -> dict[str, list[int]]:
+    """The partitions the options select, topics sorted (checked against the metadata)."""
+    if opts.assign is not None:
+        chosen: dict[str, list[int]] = {}
+        for topic, partitions in sorted(opts.assign.items()):
+            config = broker.topic_config(topic, refresh=True)
+            for p in partitions:
+                if not 0 <= p < config.partitions:
+                    raise PartitionOutOfRange(topic, p, config.partitions)
+            chosen[topic] = list(partitions)
+        return chosen
+    if opts.subscribe_pattern is not None:
+        pattern = re.compile(opts.subscribe_pattern)
+        topics = [t for t in broker.list_topics() if pattern.fullmatch(t)]
+    else:
+        topics = sorted(set(opts.subscribe))
+    result = {}
+    for topic in topics:
+        try:
+            config = broker.topic_config(topic, refresh=True)
+        except redisq.TopicNotFound:
+            if opts.subscribe_pattern is not None:
+                continue  # deleted since it was listed
+            raise
+        result[topic] = list(range(config.partitions))
+    return result
+
+
+# -- partitions and reading ---------------------------------------------------------------------
+class RangePartition(InputPartition):
+    """Entries [start, end) of one topic partition (end exclusive)."""
+
+    def __init__(self, topic: str, partition: int, start: str, end: str) -> None:
+        super().__init__((topic, partition, start, end))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+
+
+def split_by_time(
+    broker: redisq.Broker, topic: str, p: int, start: str, end: str, pieces: int
+) -> list[tuple[str, str]]:
+    """Split [start, end) into up to `pieces` ranges of equal time span (whole milliseconds
+    stay together). The first and last entries of the range bound the span."""
+    if pieces <= 1:
+        return [(start, end)]
+    key = broker.keys.log(topic, p)
+    first, last = RawNodes(broker.client).run_all(
+        [(key, xrange(key, start, "(" + end, 1)), (key, xrange(key, start, "(" + end, 1, True))]
+    )
+    if not first or not last:
+        return [(start, end)]
+    first_ms = id_parts(_decode(first[0][0]))[0]
+    last_ms = id_parts(_decode(last[0][0]))[0]
+    span = last_ms - first_ms + 1
+    pieces = min(pieces, span)
+    if pieces <= 1:
+        return [(start, end)]
+    bounds = [start]
+    for i in range(1, pieces):
+        cut = f"{first_ms + (span * i) // pieces}-0"
+        if id_less(bounds[-1], cut) and id_less(cut, end):
+            bounds.append(cut)
+    bounds.append(end)
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def plan_partitions(
+    broker: redisq.Broker,
+    ranges: Mapping[tuple[str, int], tuple[str, str]],
+    min_partitions: int | None,
+) -> list[RangePartition]:
+    """One Spark partition per non-empty range, in (topic, partition) order; with
+    minPartitions, ranges are split by time until there are at least that many."""
+    nonempty = [(tp, r) for tp, r in sorted(ranges.items()) if id_less(r[0], r[1])]
+    pieces = 1
+    if min_partitions and nonempty and len(nonempty) < min_partitions:
+        pieces = math.ceil(min_partitions / len(nonempty))
+    planned = []
+    for (topic, p), (start, end) in nonempty:
+        for s, e in split_by_time(broker, topic, p, start, end, pieces):
+            planned.append(RangePartition(topic, p, s, e))
+    return planned
+
+
+_PROCESS_CLIENTS: dict[tuple[str, str], tuple[int, redisq.Broker]] = {}
+
+
+def reader_broker(url: str, namespace: str) -> redisq.Broker:
+    """A broker per worker process (Python workers are reused between tasks)."""
+    cached = _PROCESS_CLIENTS.get((url, namespace))
+    if cached is not None and cached[0] == os.getpid():
+        return cached[1]
+    broker = redisq.connect(url, namespace=namespace)
+    _PROCESS_CLIENTS[(url, namespace)] = (os.getpid(), broker)
+    return broker
+
+
+def read_range(opts: ReadOptions, part: RangePartition) -> Iterator[pa.RecordBatch]:
+    """XRANGE [start, end) in fetch_count chunks, one Arrow batch per chunk."""
+    broker = reader_broker(opts.url, opts.namespace)
+    key = broker.keys.log(part.topic, part.partition)
+    schema = arrow_schema(opts.include_headers, opts.include_metadata)
+    checked = False
+    malformed = MalformedCount()
+    for entries in _xrange_chunks(broker.client, key, part.start, part.end, opts.fetch_count):
+        if not checked:
+            # After the first read: anything trimmed before it is visible to this check.
+            _check_data_loss(broker, opts, part)
+            checked = True
+        if entries:
+            batch = to_record_batch(
+                entries,
+                part.topic,
+                part.partition,
+                opts.include_headers,
+                opts.include_metadata,
+                schema,
+                malformed,
+            )
+            if malformed.first is not None and opts.fail_on_malformed:
+                raise malformed.first
+            yield batch
+    if malformed.first is not None:
+        log.warning(
+            "%s/%d [%s, %s): %d malformed entries read with null fields (first %s); "
+            "failOnMalformed=true fails the query instead",
+            part.topic,
+            part.partition,
+            part.start,
+            part.end,
+            malformed.count,
+            malformed.first,
+        )
+
+
+def _xrange_chunks(client: Any, key: str, start: str, end: str, count: int) -> Iterator[Any]:
+    """Raw XRANGE replies over [start, end), the last one possibly empty.
+
+    The next XRANGE is sent before the current chunk is handed on: the server and the network
+    work while this process builds the Arrow batch. The next cursor is known from the raw
+    reply's last ID, so nothing waits for the conversion. If the cluster's slots move, the
+    scan goes on from the last ID it handed on, at the slot's new node."""
+    nodes = RawNodes(client)
+    upper = "(" + end
+    cursor = start
+    redirects = 0
+    while True:
+
+        def following(entries: Any) -> tuple[Any, ...] | None:
+            if len(entries) < count:
+                return None
+            return ("XRANGE", key, "(" + _decode(entries[-1][0]), upper, "COUNT", count)
+
+        try:
+            for entries in nodes.stream(
+                key, ("XRANGE", key, cursor, upper, "COUNT", count), following
+            ):
+                if entries:
+                    cursor = "(" + _decode(entries[-1][0])
+                yield entries
+            return
+        except REDIRECTS:
+            redirects += 1
+            if redirects > 3:
+                raise
+            nodes.refresh()
+
+
+def _check_data_loss(broker: redisq.Broker, opts: ReadOptions, part: RangePartition) -> None:
+    (state,) = stream_states(broker, [(part.topic, part.partition)])
+    if not state.lost_from(part.start):
+        return
+    message = (
+        f"{part.topic}/{part.partition}: messages from {part.start} on were removed by retention "
+        f"before they were read (the partition now starts at {state.first_id or 'its end'})"
+    )
+    if opts.fail_on_data_loss:
+        raise DataLossError(
+            message + '; set failOnDataLoss to "false" to read what is left instead'
+        )
+    log.warning("%s; reading what is left (failOnDataLoss=false)", message)
