@@ -874,7 +874,7 @@ async def test_rebalance_hands_partitions_over_with_callbacks(env: Env) -> None:
     (a clean hand-over repeats nothing). Callbacks may be coroutine functions or plain ones."""
     async with env.connect() as broker:
         await broker.create_topic("orders", partitions=4)
-        await produce(broker, "orders", keys=16, per_key=40)
+        await produce(broker, "orders", keys=16, per_key=60)
         recorder = Recorder(sleep=0.01)
         events: list[tuple[Any, ...]] = []
         consumers: dict[str, rq.Consumer] = {}
@@ -925,11 +925,11 @@ async def test_rebalance_hands_partitions_over_with_callbacks(env: Env) -> None:
                 what="second member gets half",
             )
             assert not set(first.assignment) & set(second.assignment)
-            assert recorder.handled() < 16 * 40 - 80, "precondition: first leaves mid-stream"
+            assert recorder.handled() < 16 * 60 - 160, "precondition: first leaves mid-stream"
             await first.close()  # a clean leave: second takes the rest without waiting for a ttl
             await t1
             await wait_until(lambda: len(second.assignment) == 4, what="second takes over")
-            await wait_until(lambda: recorder.complete(16, 40), what="everything handled")
+            await wait_until(lambda: recorder.complete(16, 60), what="everything handled")
         finally:
             await first.close()
             await second.close()
@@ -938,7 +938,7 @@ async def test_rebalance_hands_partitions_over_with_callbacks(env: Env) -> None:
                 await t2
     assert recorder.overlaps == 0
     for ns in recorder.done.values():  # each key in order, nothing repeated
-        assert ns == list(range(40))
+        assert ns == list(range(60))
     holder: dict[tuple[str, int], str | None] = {}
     last_handled: dict[tuple[str, tuple[str, int]], str] = {}
     handed_over = 0
