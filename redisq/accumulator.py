@@ -39,7 +39,7 @@ from redisq.errors import (
     UnknownProducer,
 )
 from redisq.protocol.produce import BatchResult
-from redisq.records import RecordMetadata, offset_at
+from redisq.records import RecordMetadata, batch_metadata, offset_at
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 
@@ -127,6 +127,19 @@ class Batch:
             return RecordMetadata(self.topic, self.partition, offset, False)
         offset = offset_at(self.first_id, index) if self.first_id else None
         return RecordMetadata(self.topic, self.partition, offset, self.duplicate)
+
+    def metadata_all(self) -> list[RecordMetadata]:
+        """metadata(i) of every message, in order, made in one pass (sequence and plain batches:
+        the offsets are consecutive from first_id)."""
+        if self.dup_flags is not None:
+            return [self.metadata(i) for i in range(self.count)]
+        if not self.first_id:
+            return [RecordMetadata(self.topic, self.partition, None, self.duplicate)] * self.count
+        ms, _, seq = self.first_id.partition("-")
+        first = int(seq)
+        prefix = ms + "-"
+        offsets = [prefix + s for s in map(str, range(first, first + self.count))]
+        return batch_metadata(self.topic, self.partition, offsets, self.duplicate)
 
 
 @dataclass

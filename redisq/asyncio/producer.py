@@ -52,15 +52,17 @@ _Send = tuple[str, Any, Any, Any, Any, Any, "asyncio.Future[RecordMetadata]"]
 
 
 def _finished(batch: Batch) -> None:
-    waiters: list[tuple[int, asyncio.Future[RecordMetadata]]] = batch.waiter
+    # batch.waiter: message i's future at position i (_enqueue appends one per message, in order)
+    futures: list[asyncio.Future[RecordMetadata]] = batch.waiter
     error = batch.error
-    for index, future in waiters:
-        if future.done():
-            continue
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(batch.metadata(index))
+    if error is not None:
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
+        return
+    for future, metadata in zip(futures, batch.metadata_all(), strict=True):
+        if not future.done():
+            future.set_result(metadata)
 
 
 class Producer:
@@ -268,14 +270,13 @@ class Producer:
         core = self._core
         if core.buffered >= self.settings.max_buffered_messages:
             raise self._buffer_full()
-        message = self._encoder.encode(config, value, key, headers, message_id, partition)
-        batch, index, opened = core.append(
-            config, message.partition, message.layout, message.parts, message.size,
-            time.monotonic(),
-        )  # fmt: skip
+        p, layout, parts, size = self._encoder.encode_fast(
+            config, value, key, headers, message_id, partition
+        )
+        batch, _, opened = core.append(config, p, layout, parts, size, time.monotonic())
         if batch.waiter is None:
             batch.waiter = []
-        batch.waiter.append((index, future))
+        batch.waiter.append(future)  # at the message's index in the batch
         if opened or batch.sealed:
             self._wake.set()
         return batch
