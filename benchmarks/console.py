@@ -3,10 +3,12 @@ every page under 300 ms on this machine), and the batched reads side by side wit
 per-topic / per-group describe calls that the CLI makes.
 
     python benchmarks/console.py [--url URL] [--topics 100] [--partitions 10] [--groups 50]
-                                 [--messages 20] [--repeat 20] [--markdown]
+                                 [--messages 20] [--delayed 10] [--transactions 50]
+                                 [--repeat 20] [--markdown]
 
---partitions is per topic (100 x 10 = 1,000); --messages per partition. The groups each read
-part of their topic and commit, so lags, positions and fencing counters are real. Pages are
+--partitions is per topic (100 x 10 = 1,000); --messages per partition; --delayed per topic
+(due in an hour); --transactions half messages left open. The groups each read part of their
+topic and commit, so lags, positions and fencing counters are real. Pages are
 fetched over HTTP from the console served by uvicorn in this process (one keep-alive
 connection), after one warm-up load each; the table gives the median, p95 and worst load, and
 the round trips to Redis per load (connections taken from redis-py's pool: a pipeline is one).
@@ -29,14 +31,22 @@ from report import print_table
 
 import redisq
 from redisq.console import create_app
-from redisq.inspect import namespace_snapshot
 from redisq.group import describe_group, list_groups
+from redisq.inspect import namespace_snapshot
 from redisq.protocol import run_operation
 
 TARGET_MS = 300
 
 
-def build(broker: redisq.Broker, topics: int, partitions: int, groups: int, messages: int) -> None:
+def build(
+    broker: redisq.Broker,
+    topics: int,
+    partitions: int,
+    groups: int,
+    messages: int,
+    delayed: int,
+    transactions: int,
+) -> None:
     names = [f"topic-{t:03d}" for t in range(topics)]
     for name in names:
         broker.create_topic(name, partitions=partitions)
@@ -44,7 +54,15 @@ def build(broker: redisq.Broker, topics: int, partitions: int, groups: int, mess
         for name in names:
             for i in range(partitions * messages):
                 producer.send_async(name, b'{"n": %d}' % i, key=b"k%d" % i)
+            for i in range(delayed):  # due in an hour: still scheduled while pages load
+                producer.send_async(name, b"later %d" % i, key=b"d%d" % i, delay_ms=3_600_000)
         producer.flush()
+    unknown = lambda tx_id, batch: redisq.TxState.UNKNOWN  # noqa: E731
+    with broker.producer(
+        transactional_group="bench-tx", check=unknown, check_first_ms=3_600_000
+    ) as producer:  # half messages left open (check-back in an hour)
+        for i in range(transactions):
+            producer.send_in_transaction(names[i % topics], b"half", key=b"h%d" % i, local=unknown)
     for g in range(groups):
         topic = names[g % topics]
         with broker.consumer(topic, group=f"group-{g:02d}", name=f"member-{g}") as consumer:
@@ -52,7 +70,8 @@ def build(broker: redisq.Broker, topics: int, partitions: int, groups: int, mess
             consumer.commit()
     print(
         f"built {topics} topics x {partitions} partitions, {topics * partitions * messages:,} "
-        f"messages, {groups} groups",
+        f"messages, {groups} groups, {topics * delayed:,} delayed messages, {transactions} open "
+        "transactions",
         file=sys.stderr,
     )
 
@@ -152,12 +171,22 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=10)
     parser.add_argument("--groups", type=int, default=50)
     parser.add_argument("--messages", type=int, default=20)
+    parser.add_argument("--delayed", type=int, default=10, help="delayed messages per topic")
+    parser.add_argument("--transactions", type=int, default=50, help="open half messages")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     broker = redisq.connect(args.url, namespace=f"bench-console-{uuid.uuid4().hex[:6]}")
     try:
-        build(broker, args.topics, args.partitions, args.groups, args.messages)
+        build(
+            broker,
+            args.topics,
+            args.partitions,
+            args.groups,
+            args.messages,
+            args.delayed,
+            args.transactions,
+        )
         trips = RoundTrips(broker.client)
         app = create_app(broker, sample_interval_s=5.0)
         server, thread, port = serve(app)
@@ -171,6 +200,7 @@ def main() -> int:
             "/topics/topic-000/groups/group-00/deadletters",
             "/topics/topic-000/producers",
             "/producers",
+            "/transactions",
             "/metrics",
         ]
         try:

@@ -209,8 +209,8 @@ def _scored(reply: Any) -> list[tuple[str, float]]:
 
 
 def _stream(p: int, replies: Sequence[Any], node: str | None) -> PartitionSnapshot:
-    """XINFO STREAM, ZCARD and the first of the schedule (the steps of _stream_steps)."""
-    info, scheduled, first_due = replies
+    """XINFO STREAM, then ZCARD and the first of the schedule when read (_stream_steps)."""
+    info, scheduled, first_due = (*replies, 0, None) if len(replies) == 1 else replies
     info = _as_dict(info)  # a missing stream (deleted under us) reads as empty
     first, last = info.get("first-entry"), info.get("last-entry")
     due = _scored(first_due)
@@ -255,18 +255,18 @@ def _topic_configs(keys: KeySpace, names: Sequence[str]) -> Operation[list[Topic
     return found
 
 
-_PER_STREAM = 3
-
-
-def _stream_steps(keys: KeySpace, topics: Iterable[TopicSnapshot]) -> list[Step]:
+def _stream_steps(
+    keys: KeySpace, topics: Iterable[TopicSnapshot], with_schedules: bool
+) -> list[Step]:
     steps: list[Step] = []
     for t in topics:
         for p in range(t.config.partitions):
-            steps += [
-                Command(("XINFO", "STREAM", keys.log(t.name, p))),
-                Command(("ZCARD", keys.scheduled(t.name, p))),
-                Command(("ZRANGE", keys.scheduled(t.name, p), 0, 0, "WITHSCORES")),
-            ]
+            steps.append(Command(("XINFO", "STREAM", keys.log(t.name, p))))
+            if with_schedules:
+                steps += [
+                    Command(("ZCARD", keys.scheduled(t.name, p))),
+                    Command(("ZRANGE", keys.scheduled(t.name, p), 0, 0, "WITHSCORES")),
+                ]
     return steps
 
 
@@ -274,11 +274,13 @@ def namespace_snapshot(
     keys: KeySpace,
     *,
     with_groups: bool = True,
+    with_schedules: bool = True,
     topics: Sequence[str] | None = None,
     nodes: Any = None,
 ) -> Operation[NamespaceSnapshot]:
-    """Every topic of the namespace (or these), their partitions, and (with_groups) every group
-    with its per-partition state: three round trips (a fourth only for lags Redis cannot tell).
+    """Every topic of the namespace (or these), their partitions (with_schedules: and their
+    delayed messages, two commands more per partition), and (with_groups) every group with its
+    per-partition state: three round trips (a fourth only for lags Redis cannot tell).
     nodes: a function key -> "host:port" (a cluster client's slot map), or None."""
     if topics is None:
         members, now = yield [Command(("SMEMBERS", keys.topics())), Command(("TIME",))]
@@ -288,7 +290,8 @@ def namespace_snapshot(
         names = list(topics)
     now_ms = server_ms(_ok(now))
     snapshots = yield from _topic_configs(keys, names)
-    steps = _stream_steps(keys, snapshots)
+    steps = _stream_steps(keys, snapshots, with_schedules)
+    per_stream = 3 if with_schedules else 1
     group_refs = [(t, g) for t in snapshots for g in t.groups] if with_groups else []
     group_steps: list[Step] = []
     for t, g in group_refs:
@@ -310,9 +313,9 @@ def namespace_snapshot(
         parts = []
         for p in range(t.config.partitions):
             key = keys.log(t.name, p)
-            stream = replies[at : at + _PER_STREAM]
+            stream = replies[at : at + per_stream]
             parts.append(_stream(p, stream, nodes(key) if nodes else None))
-            at += _PER_STREAM
+            at += per_stream
         result.topics[t.name] = TopicSnapshot(t.config, parts, t.groups)
     stream_groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for t in snapshots:

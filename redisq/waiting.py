@@ -4,9 +4,9 @@ and delayed messages not yet due (DESIGN §12).
 
 Each read is a protocol operation of a fixed number of pipelined round trips, whatever the
 number of transactions or partitions (`redisq.transaction_admin.list_transactions`, which the
-CLI uses, reads one transaction per round trip). How many messages each partition has scheduled
-and when its next is due come with the namespace snapshot (redisq.inspect); here are the
-transactions and the scheduled messages themselves.
+CLI uses, reads one transaction per round trip). The namespace snapshot (redisq.inspect) also
+counts each partition's delayed messages, beside its stream; `schedules` reads only those (two
+small commands per partition, no XINFO STREAM).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from redisq.records import Message, decode_entries, decode_headers
 from redisq.transaction_admin import TransactionInfo
 
 __all__ = [
+    "PartitionSchedule",
     "PendingTransaction",
     "ScheduledMessage",
     "TransactionsSnapshot",
     "Unresolved",
     "scheduled_messages",
+    "schedules",
     "transactions_snapshot",
     "unresolved_messages",
 ]
@@ -126,6 +128,63 @@ def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[Transa
     )
 
 
+# -- delayed messages: how many, when the next ------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PartitionSchedule:
+    """A partition's schedule: how many delayed messages wait, when the first is due (ms)."""
+
+    topic: str
+    partition: int
+    scheduled: int
+    next_due_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Schedules:
+    """Every topic of the namespace and the partitions that have delayed messages."""
+
+    now_ms: int
+    topics: list[str]
+    partitions: list[PartitionSchedule]
+
+    @property
+    def scheduled(self) -> int:
+        return sum(p.scheduled for p in self.partitions)
+
+
+def schedules(keys: KeySpace) -> Operation[Schedules]:
+    """Three round trips: the topic registry, each topic's partition count, each partition's
+    ZCARD and first entry of its schedule."""
+    first = yield [Command(("SMEMBERS", keys.topics())), Command(("TIME",), server_ms)]
+    members, now = (_ok(reply) for reply in first)
+    names = sorted(text(m) for m in members)
+    if not names:
+        return Schedules(now, [], [])
+    counts = yield [Command(("HGET", keys.topic_meta(t), "partitions")) for t in names]
+    parts = [
+        (t, p)
+        for t, count in zip(names, counts, strict=True)
+        if count is not None and not isinstance(count, Exception)
+        for p in range(int(count))
+    ]
+    if not parts:
+        return Schedules(now, names, [])
+    steps: list[Step] = []
+    for t, p in parts:
+        steps += [
+            Command(("ZCARD", keys.scheduled(t, p)), int),
+            Command(("ZRANGE", keys.scheduled(t, p), 0, 0, "WITHSCORES"), _pairs),
+        ]
+    replies = yield steps
+    found = []
+    for i, (t, p) in enumerate(parts):
+        count, head = replies[2 * i], replies[2 * i + 1]
+        if isinstance(count, int) and count:
+            due = head[0][1] if isinstance(head, list) and head else None
+            found.append(PartitionSchedule(t, p, count, due))
+    return Schedules(now, names, found)
+
+
 # -- half messages check-back gave up on ----------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Unresolved:
@@ -135,6 +194,7 @@ class Unresolved:
     group: str
     topic: str
     messages: list[Message]
+    length: int  # messages in the topic (the newest are in `messages`)
 
     @staticmethod
     def destination(message: Message) -> tuple[str, str, str]:
@@ -150,17 +210,24 @@ def unresolved_messages(
     keys: KeySpace, topics: Sequence[str], count: int = 50
 ) -> Operation[list[Unresolved]]:
     """The newest `count` messages of each unresolved topic among `topics` (the namespace's
-    topic names), newest first: one round trip (they have one partition each)."""
+    topic names), newest first, and their lengths: one round trip (one partition each)."""
     found = [(t, g) for t in sorted(topics) if (g := parse_unresolved_topic(t)) is not None]
     if not found:
         return []
-    replies = yield [
-        Command(("XREVRANGE", keys.log(t, 0), "+", "-", "COUNT", count)) for t, _ in found
-    ]
+    steps: list[Step] = []
+    for t, _ in found:
+        steps += [
+            Command(("XREVRANGE", keys.log(t, 0), "+", "-", "COUNT", count)),
+            Command(("XLEN", keys.log(t, 0)), int),
+        ]
+    replies = yield steps
     result = []
-    for (topic, group), reply in zip(found, replies, strict=True):
+    for i, (topic, group) in enumerate(found):
+        reply, length = replies[2 * i], replies[2 * i + 1]
         entries = [] if isinstance(reply, Exception) or not reply else reply
-        result.append(Unresolved(group, topic, decode_entries(topic, 0, entries)))
+        messages = decode_entries(topic, 0, entries)
+        total = length if isinstance(length, int) else len(messages)
+        result.append(Unresolved(group, topic, messages, total))
     return result
 
 

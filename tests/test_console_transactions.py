@@ -19,7 +19,7 @@ from redisq.inspect import namespace_snapshot
 from redisq.protocol import run_operation
 from redisq.scheduler import Scheduler
 from redisq.transactions import TxState
-from redisq.waiting import scheduled_messages, transactions_snapshot
+from redisq.waiting import scheduled_messages, schedules, transactions_snapshot
 from tests.conftest import drop_namespace
 from tests.servers import ServerProcess
 
@@ -231,11 +231,24 @@ def test_waiting_reads_cost_the_same_round_trips_at_any_size(broker: redisq.Brok
     snapshot = run_operation(namespace_snapshot(broker.keys), broker.scripts.execute)
     topic = snapshot.topics["later"]
     assert topic.scheduled == 40 and topic.next_due_ms == truth[0][0]
-    next_due = {("later", p.partition): p.next_due_ms for p in topic.partitions if p.next_due_ms}
+    execute, calls = count_round_trips(broker)
+    waiting = run_operation(schedules(broker.keys), execute)
+    assert len(calls) == 3
+    counts = {p: 0 for p in range(8)}
+    for _, p, _ in truth:
+        counts[p] += 1
+    assert [(s.partition, s.scheduled) for s in waiting.partitions] == [
+        (p, n) for p, n in counts.items() if n
+    ]
+    next_due = {("later", s.partition): s.next_due_ms for s in waiting.partitions}
+    assert next_due == {("later", p.partition): p.next_due_ms for p in topic.partitions
+                        if p.next_due_ms}  # fmt: skip
     execute, calls = count_round_trips(broker)
     first = run_operation(scheduled_messages(broker.keys, next_due, 10), execute)
     assert len(calls) == 2
     assert [(m.due_ms, m.partition, m.schedule_id) for m in first] == truth[:10]
+    fewer = run_operation(scheduled_messages(broker.keys, next_due, 3), broker.scripts.execute)
+    assert [(m.due_ms, m.partition, m.schedule_id) for m in fewer] == truth[:3]
     assert all(m.value.startswith(b"m") and m.key for m in first)
 
     trips = []

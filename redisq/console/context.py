@@ -95,7 +95,11 @@ class Console:
         return node
 
     def snapshot(self) -> NamespaceSnapshot:
-        return self.run(namespace_snapshot(self.broker.keys, nodes=self.nodes()))
+        """Topics and groups for the overview, the groups page and the charts' samples (the
+        schedules are read by the pages that show them)."""
+        return self.run(
+            namespace_snapshot(self.broker.keys, with_schedules=False, nodes=self.nodes())
+        )
 
     # -- notices ---------------------------------------------------------------------------------
     def notice(self, kind: str, message: str, rows: list[Any] | None = None) -> str:

@@ -33,10 +33,15 @@ from redisq.console.charts import line_chart, sparkline
 from redisq.console.context import Console
 from redisq.console.producers import dedup_buckets, named_producers, topic_producers
 from redisq.group import assign_partitions
-from redisq.inspect import group_snapshot, namespace_snapshot, topic_snapshot
+from redisq.inspect import group_snapshot, topic_snapshot
 from redisq.protocol import Command, Operation, text
 from redisq.transaction_admin import sweep_now
-from redisq.waiting import scheduled_messages, transactions_snapshot, unresolved_messages
+from redisq.waiting import (
+    scheduled_messages,
+    schedules,
+    transactions_snapshot,
+    unresolved_messages,
+)
 
 # Rows on the transactions & schedules page: the oldest transactions, the next due messages.
 TRANSACTIONS_SHOWN = 500
@@ -268,20 +273,14 @@ def topic_producers_page(console: Console, request: Request) -> Response:
 
 def transactions_page(console: Console, request: Request) -> Response:
     """Open and undone transactions (oldest first) with their check-backs, the half messages
-    check-back gave up on, and delayed messages: per topic and partition how many wait and when
-    the next is due, and the next ones due. A fixed number of round trips at any size."""
+    check-back gave up on, and delayed messages: per partition how many wait and when the next
+    is due, and the next ones due. A fixed number of round trips at any size."""
     keys = console.broker.keys
-    snapshot = console.run(namespace_snapshot(keys, with_groups=False))
+    waiting = console.run(schedules(keys))
     transactions = console.run(transactions_snapshot(keys, limit=TRANSACTIONS_SHOWN))
-    unresolved = console.run(unresolved_messages(keys, list(snapshot.topics), UNRESOLVED_SHOWN))
-    next_due = {
-        (t.name, p.partition): p.next_due_ms
-        for t in snapshot.topics.values()
-        for p in t.partitions
-        if p.next_due_ms is not None
-    }
+    unresolved = console.run(unresolved_messages(keys, waiting.topics, UNRESOLVED_SHOWN))
+    next_due = {(s.topic, s.partition): s.next_due_ms for s in waiting.partitions if s.next_due_ms}
     upcoming = console.run(scheduled_messages(keys, next_due, SCHEDULED_SHOWN))
-    scheduled_topics = [t for t in snapshot.topics.values() if t.scheduled]
     return console.render(
         request,
         "transactions.html",
@@ -290,8 +289,7 @@ def transactions_page(console: Console, request: Request) -> Response:
             "now_ms": transactions.now_ms,
             "tx": transactions,
             "unresolved": unresolved,
-            "unresolved_lengths": {u.topic: snapshot.topics[u.topic].length for u in unresolved},
-            "scheduled_topics": scheduled_topics,
+            "schedules": waiting,
             "upcoming": upcoming,
         },
     )
