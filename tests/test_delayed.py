@@ -145,6 +145,25 @@ def test_a_delayed_message_does_not_hold_back_others(broker: redisq.Broker) -> N
     assert soon.deliver_at_ms is not None and soon.deliver_at_ms < later.deliver_at_ms
 
 
+def test_short_delays_are_delivered_within_the_tick(broker: redisq.Broker) -> None:
+    """Messages scheduled one at a time, each due sooner than a scheduler tick: a scheduler
+    learns of each within TICK_MS (50 ms), so the median lateness stays far below a second
+    (lenient: the machine is shared)."""
+    broker.create_topic("orders", partitions=1)
+    metas = []
+    with broker.producer() as producer:
+        for i in range(25):
+            metas.append(producer.send("orders", b"%d" % i, delay_ms=20))
+            time.sleep(0.037)
+        wait_for(lambda: len(read_all(broker, "orders")) == 25, what="delivery")
+    late = sorted(
+        m.timestamp_ms - meta.deliver_at_ms
+        for m, meta in zip(read_all(broker, "orders"), metas, strict=True)
+    )
+    assert late[0] >= 0
+    assert late[len(late) // 2] < 150, late
+
+
 # -- re-sends of one schedule id ---------------------------------------------------------------
 
 
