@@ -3,8 +3,8 @@ open or decided and not yet carried out (DESIGN §11), the half messages check-b
 and delayed messages not yet due (DESIGN §12).
 
 Each read is a protocol operation of a fixed number of pipelined round trips, whatever the
-number of transactions or partitions (`redisq.transaction_admin.list_transactions`, which the
-CLI uses, reads one transaction per round trip). The namespace snapshot (redisq.inspect) also
+number of transactions or partitions (`redisq.transaction_admin.list_transactions` reads through
+`transactions_snapshot`). The namespace snapshot (redisq.inspect) also
 counts each partition's delayed messages, beside its stream; `schedules` reads only those (two
 small commands per partition, no XINFO STREAM).
 """
@@ -22,10 +22,10 @@ from redisq.protocol import Command, Operation, Step, text
 from redisq.protocol import transactions as tx
 from redisq.protocol.resp import decode_bulks
 from redisq.records import Message, decode_entries, decode_headers
-from redisq.transaction_admin import TransactionInfo
 
 __all__ = [
     "PartitionSchedule",
+    "TransactionInfo",
     "PendingTransaction",
     "ScheduledMessage",
     "TransactionsSnapshot",
@@ -35,6 +35,20 @@ __all__ = [
     "transactions_snapshot",
     "unresolved_messages",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionInfo:
+    """A transaction in the registry: open, or decided and not yet carried out."""
+
+    transaction_id: str
+    state: str  # "open", "committed", "aborted", "unresolved", or "missing" (nothing staged)
+    producer: str  # the producer's name, or its id
+    group: str | None  # the transactional group (half messages)
+    batches: int  # staged batches
+    age_ms: int
+    deadline_ms: int | None  # open: when the sweeper aborts it (None: check-back decides)
+    checks: int  # check-backs answered UNKNOWN so far
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,13 @@ def transactions() -> None:
 
 
 @transactions.command("list")
-@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Show at most this many.",
+)
 @connection_options
 def list_transactions(limit: int) -> int:
     """Open transactions and decided ones not yet carried out, oldest first."""
@@ -46,7 +52,13 @@ def sweep() -> int:
 
 @transactions.command("unresolved")
 @click.argument("group")
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Show at most this many.",
+)
 @connection_options
 def unresolved(group: str, limit: int) -> int:
     """The half messages of transactional group GROUP that check-back gave up on (the topic
