@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,9 +129,11 @@ def run_blocks(env: dict[str, str], work: Path, *, spark: bool) -> int:
             command = [sys.executable, "-c", block.code]
         else:
             command = ["bash", "-e", "-o", "pipefail", "-c", block.code]
+        started = time.monotonic()
         result = subprocess.run(
-            command, cwd=work, env=env, capture_output=True, text=True, timeout=600
+            command, cwd=work, env=env, capture_output=True, text=True, timeout=900
         )
+        print(f"{block.where()}: {time.monotonic() - started:.1f} s")
         assert result.returncode == 0, (
             f"{block.where()} exited {result.returncode}\n--- code\n{block.code}"
             f"--- stdout (tail)\n{result.stdout[-3000:]}\n--- stderr (tail)\n"
@@ -147,6 +150,7 @@ def test_readme_runs_as_written(readme_env: tuple[dict[str, str], Path]) -> None
 
 
 @pytest.mark.spark
+@pytest.mark.timeout(1800)  # a Spark session, and a JVM for each `redisq audit`
 def test_readme_runs_as_written_with_spark(readme_env: tuple[dict[str, str], Path]) -> None:
     """Every block, the Spark ones included, in order (one Spark session for the Python one;
     each `redisq audit` starts its own, as it does for a user)."""
