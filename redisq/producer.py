@@ -17,9 +17,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, TypeVar, Unpack
+from typing import TYPE_CHECKING, TypeVar, Unpack, cast
 
 import redis
 
@@ -34,6 +34,7 @@ from redisq.errors import (
     RedisqError,
     UnsupportedServer,
 )
+from redisq.futures import SendFuture, Waiter, finished
 from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
@@ -53,61 +54,6 @@ log = logging.getLogger("redisq.producer")
 T = TypeVar("T")
 
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-
-
-class _Waiter:
-    """The thread driver's completion signal of one batch."""
-
-    __slots__ = ("event", "callbacks")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.callbacks: list[tuple[int, Callable[[SendFuture], None]]] | None = None
-
-
-def _finished(batch: Batch) -> None:
-    waiter: _Waiter = batch.waiter
-    waiter.event.set()
-    if waiter.callbacks:
-        for index, callback in waiter.callbacks:
-            try:
-                callback(SendFuture(batch, index))
-            except Exception:  # a user's callback must not stop the sender
-                log.exception("send callback raised")
-
-
-class SendFuture:
-    """The result of send_async(): result() blocks until the message is acknowledged."""
-
-    __slots__ = ("_batch", "_index")
-
-    def __init__(self, batch: Batch, index: int) -> None:
-        self._batch = batch
-        self._index = index
-
-    def done(self) -> bool:
-        return bool(self._batch.waiter.event.is_set())
-
-    def result(self, timeout: float | None = None) -> RecordMetadata:
-        if not self._batch.waiter.event.wait(timeout):
-            raise TimeoutError(f"no acknowledgement within {timeout} s")
-        if self._batch.error is not None:
-            raise self._batch.error
-        return self._batch.metadata(self._index)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._batch.waiter.event.wait(timeout):
-            raise TimeoutError(f"no acknowledgement within {timeout} s")
-        return self._batch.error
-
-    def add_done_callback(self, callback: Callable[[SendFuture], None]) -> None:
-        waiter: _Waiter = self._batch.waiter
-        if waiter.event.is_set():
-            callback(self)
-            return
-        if waiter.callbacks is None:
-            waiter.callbacks = []
-        waiter.callbacks.append((self._index, callback))
 
 
 class Producer:
@@ -154,7 +100,7 @@ class Producer:
                 linger_s=settings.linger_ms / 1000,
                 delivery_timeout_s=settings.delivery_timeout_ms / 1000,
             ),
-            on_finished=_finished,
+            on_finished=finished,
             on_sealed=self._encoder.batch_sealed,
         )
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
@@ -371,7 +317,7 @@ class Producer:
                 self._wait_for_buffer_space()
             batch, index, opened = core.append(config, p, layout, parts, size, now)
             if batch.waiter is None:
-                batch.waiter = _Waiter()
+                batch.waiter = Waiter()
             if opened or batch.sealed:
                 self._cond.notify()  # start the linger clock, or send a full batch
         return SendFuture(batch, index)
@@ -409,7 +355,7 @@ class Producer:
             return self._delayed.send(*args, timeout=timeout)
         future = self.send_async(topic, value, key, headers, message_id, partition)
         with self._cond:
-            self._core.seal_batch(future._batch)
+            self._core.seal_batch(cast(Batch, future._batch))
             self._cond.notify_all()
         return future.result(timeout)
 
