@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import random
-import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -73,26 +73,29 @@ def max_delay_ms(config: TopicConfig) -> int:
 
 
 def when(
-    config: TopicConfig, delay_ms: int | None, deliver_at: datetime | None, now_ms: float
+    config: TopicConfig, delay_ms: int | None, deliver_at: datetime | None
 ) -> tuple[int | None, int | None]:
-    """(delay_ms, deliver_at_ms), checked against the topic's limit (InvalidConfig). A
-    deliver_at in the past is due at once; it is measured against this machine's clock
-    (now_ms), the due time itself is kept as given."""
-    check_when_types(delay_ms, deliver_at)
-    limit = max_delay_ms(config)
-    why = f"the retention of topic {config.name!r}" if config.retention_ms else "3 days"
+    """(delay_ms, deliver_at_ms) of arguments that passed check_when_types, checked against
+    the topic's limit (InvalidConfig). A deliver_at in the past is due at once; how far ahead
+    it is is measured with this machine's clock, the due time itself is kept as given."""
+    limit = config.retention_ms or MAX_DELAY_MS
     if delay_ms is not None:
         if not 1 <= delay_ms <= limit:
-            raise InvalidConfig(f"delay_ms={delay_ms} is out of range: 1..{limit} ({why})")
+            raise InvalidConfig(f"delay_ms={delay_ms} is out of range: 1..{limit} ({_why(config)})")
         return delay_ms, None
     assert deliver_at is not None
     at_ms = int(deliver_at.timestamp() * 1000)
-    if at_ms - now_ms > limit:
+    ahead_ms = at_ms - time.time() * 1000
+    if ahead_ms > limit:
         raise InvalidConfig(
-            f"deliver_at={deliver_at.isoformat()} is {at_ms - now_ms:.0f} ms ahead, more than "
-            f"{limit} ({why})"
+            f"deliver_at={deliver_at.isoformat()} is {ahead_ms:.0f} ms ahead, more than "
+            f"{limit} ({_why(config)})"
         )
     return None, at_ms
+
+
+def _why(config: TopicConfig) -> str:
+    return f"the retention of topic {config.name!r}" if config.retention_ms else "3 days"
 
 
 class ScheduleIds:
@@ -101,14 +104,12 @@ class ScheduleIds:
 
     def __init__(self, identity: ProducerIdentity) -> None:
         self._prefix = b"s:%x:%012x:" % (identity.producer_id, identity.epoch)
-        self._counter = itertools.count()
-        self._lock = threading.Lock()
+        self._counter = itertools.count()  # next() on it is atomic under the GIL: no lock
 
     def next_id(self, message_id: bytes | None) -> bytes:
         if message_id is not None:
             return b"m:" + message_id
-        with self._lock:
-            return self._prefix + b"%012x" % next(self._counter)
+        return self._prefix + b"%012x" % next(self._counter)
 
 
 # -- the core -----------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ class DelayedSender:
                 'Cluster yet; use acks="leader"'
             )
         config = self._topic_config(topic)
-        when_ = when(config, delay_ms, deliver_at, time.time() * 1000)
+        when_ = when(config, delay_ms, deliver_at)
         identity = self._identity()
         if self._ids is None:
             self._ids = ScheduleIds(identity)
@@ -124,13 +124,15 @@ class DelayedSender:
             value, key, headers, message_id, partition,
         )  # fmt: skip
         with self._cond:
-            self._wait_for_buffer_space()
+            if self._core.buffered >= self._settings.max_buffered_messages:
+                self._wait_for_buffer_space()
             batch, index, opened = self._core.append(config, p, scheduled, time.monotonic())
             if batch.waiter is None:
                 batch.waiter = _Waiter()
             if opened or batch.sealed:
                 self._cond.notify_all()
-            self._start(topic)
+            if topic not in self._scheduled_topics:
+                self._start(topic)
         return batch, index
 
     def _wait_for_buffer_space(self) -> None:
@@ -150,11 +152,10 @@ class DelayedSender:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="redisq-delayed", daemon=True)
             self._thread.start()
-        if topic not in self._scheduled_topics:
-            self._scheduled_topics.add(topic)
-            if self._scheduler is None:
-                self._scheduler = Scheduler(self._broker)
-            self._scheduler.add_topic(topic)
+        self._scheduled_topics.add(topic)
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self._broker)
+        self._scheduler.add_topic(topic)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send what is queued now; wait until it is acknowledged or failed."""

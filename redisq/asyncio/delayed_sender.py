@@ -118,7 +118,7 @@ class DelayedSender:
                 f"buffer full ({self._settings.max_buffered_messages} delayed messages): await "
                 "send() or flush() to wait for room"
             )
-        when_ = when(config, delay_ms, deliver_at, time.time() * 1000)
+        when_ = when(config, delay_ms, deliver_at)
         identity = self._identity()
         assert identity is not None, "the producer is started before a delayed message is queued"
         if self._ids is None:
