@@ -260,7 +260,9 @@ def consume_with_lost_member(
     return {
         "partitions / members": f"{partitions} partitions, 3 members (member-0 killed)",
         "lost member's partitions": ", ".join(map(str, sorted(victim_partitions))) or "-",
-        "takeover after (s)": f"{max(delays):.2f}" if delays else "-",
+        "takeover after (s)": (
+            f"{max(delays):.2f}" if delays else "- (member-0 was idle when it was killed)"
+        ),
         "messages handled at least once": f"{len(expected & ended_set):,}/{len(expected):,}",
         "handled again after the loss (at-least-once)": starts - len(ended_set & expected),
         "per-key order violations": order_violations,
