@@ -12,6 +12,8 @@ from redisq.broker import Broker, connect
 from redisq.consumer import Consumer
 from redisq.errors import (
     DeliveryTimeout,
+    GroupInUse,
+    GroupNotFound,
     InvalidConfig,
     InvalidName,
     LeaseLost,
@@ -23,6 +25,7 @@ from redisq.errors import (
     ProducerFenced,
     RedisqError,
     TopicExists,
+    TopicInUse,
     TopicNotFound,
     TransactionAborted,
     TransactionDecided,
@@ -42,6 +45,8 @@ __all__ = [
     "Broker",
     "Consumer",
     "DeliveryTimeout",
+    "GroupInUse",
+    "GroupNotFound",
     "InvalidConfig",
     "InvalidName",
     "LeaseLost",
@@ -62,6 +67,7 @@ __all__ = [
     "TopicConfig",
     "TopicDescription",
     "TopicExists",
+    "TopicInUse",
     "TopicNotFound",
     "Transaction",
     "TransactionAborted",

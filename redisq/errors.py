@@ -174,6 +174,19 @@ class TopicInUse(RedisqError):
         self.members = members
 
 
+class GroupInUse(TopicInUse):
+    """The group has live members (or a partition lease is still held): deleting it or
+    resetting its offsets under them would be overwritten by their next commit."""
+
+    def __init__(self, topic: str, group: str, members: list[str], action: str) -> None:
+        super().__init__(topic, group, members)
+        shown = ", ".join(members[:5]) + (" ..." if len(members) > 5 else "")
+        self.args = (
+            f"group {group!r} of topic {topic!r} has live members ({shown}): stop them before "
+            f"you {action}",
+        )
+
+
 class GroupModeMismatch(RedisqError, ValueError):
     """A consumer asked for another mode (orderly/concurrent) than the group was created with."""
 

@@ -21,9 +21,9 @@ import redis
 
 from redisq.admin import LIVE_MEMBER_MS
 from redisq.errors import (
+    GroupInUse,
     GroupNotFound,
     InvalidName,
-    TopicInUse,
     TopicNotFound,
 )
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
@@ -47,19 +47,6 @@ __all__ = [
     "list_groups",
     "live_members",
 ]
-
-
-class GroupInUse(TopicInUse):
-    """The group has live members (or a partition lease is still held): deleting it or
-    resetting its offsets under them would be overwritten by their next commit."""
-
-    def __init__(self, topic: str, group: str, members: list[str], action: str) -> None:
-        super().__init__(topic, group, members)
-        shown = ", ".join(members[:5]) + (" ..." if len(members) > 5 else "")
-        self.args = (
-            f"group {group!r} of topic {topic!r} has live members ({shown}): stop them before "
-            f"you {action}",
-        )
 
 
 # -- what a group looks like ---------------------------------------------------------------------
