@@ -31,6 +31,25 @@ BACKENDS = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_redisq_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test touches the user's data: the embedded server a test may start (connect() with no
+    url, the CLI without --url) lives in a directory of the session's, and is stopped at the
+    end (it daemonizes, so nothing else would stop it)."""
+    previous = os.environ.get("REDISQ_HOME")
+    os.environ["REDISQ_HOME"] = str(tmp_path_factory.mktemp("redisq-home"))
+    try:
+        yield
+    finally:
+        from redisq.embedded import stop_shared_server
+
+        stop_shared_server()
+        if previous is None:
+            os.environ.pop("REDISQ_HOME", None)
+        else:
+            os.environ["REDISQ_HOME"] = previous
+
+
 @pytest.fixture(scope="session")
 def valkey_server() -> Iterator[ServerProcess]:
     server = ServerProcess().start()
