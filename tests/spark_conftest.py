@@ -73,6 +73,9 @@ def _options(broker: redisq.Broker, options: dict[str, Any]) -> dict[str, str]:
 
 
 def broker_url(broker: redisq.Broker) -> str:
+    if not hasattr(broker.client, "connection_pool"):  # a cluster: any node will do
+        node = broker.client.get_default_node()
+        return f"redis://{node.host}:{node.port}"
     kwargs = broker.client.connection_pool.connection_kwargs
     return f"redis://{kwargs['host']}:{kwargs['port']}/0"
 
@@ -108,8 +111,9 @@ def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None =
 
     With broker: the failure waits (60 s at most) until the writer's attempt has registered its
     transaction in Redis, i.e. has staged rows, so the failed attempt leaves staged rows behind
-    whatever the timing. Needs small Arrow batches (spark.sql.execution.arrow.maxRecordsPerBatch)
-    so that rows reach the writer while the UDF still runs."""
+    whatever the timing. Rows reach the writer while the UDF waits only past the buffers between
+    the Python workers (64 KB each): the rows before the failure should make some hundreds of
+    KB, in small Arrow batches (spark.sql.execution.arrow.maxRecordsPerBatch)."""
     from pyspark.sql import functions as F
 
     url = broker_url(broker) if broker is not None else None
@@ -119,8 +123,9 @@ def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None =
         # Nested, so cloudpickle ships it by value (workers need not import the tests).
         import time
 
-        import redis
         from pyspark import TaskContext
+
+        from redisq.connection import open_client
 
         context = TaskContext.get()
         seen = passthrough.__dict__.setdefault("seen", {})
@@ -129,7 +134,7 @@ def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None =
         if context.attemptNumber() == 0 and seen[slot] > after_rows:
             if url is not None:
                 me = f"{context.partitionId()}:0".encode()
-                client = redis.Redis.from_url(url)
+                client = open_client(url)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     keys = list(client.scan_iter(match=pattern, count=1000))

@@ -84,16 +84,16 @@ def test_failed_task_attempts_after_a_shuffle_leave_every_row_exactly_once(
     spark_broker.create_topic("once", partitions=3)
     source = spark.range(0, 6000, numPartitions=3).selectExpr(
         "cast(id % 101 as string) as key",
-        "cast(concat('v', id, ':', repeat('x', 200)) as binary) as value",
+        "cast(concat('v', id, ':', repeat('x', 1000)) as binary) as value",
     )
-    # After the shuffle, each write task's first attempt dies once 1,500 of its rows went
+    # After the shuffle, each write task's first attempt dies once 600 of its rows went
     # through (by then it has staged batches); Spark retries it (local[2,2]: 2 attempts).
-    df = fail_first_attempts(source.repartition(2, "key"), 1500, spark_broker)
+    df = fail_first_attempts(source.repartition(2, "key"), 600, spark_broker)
     context = spark.sparkContext
     context.setJobGroup("fail-once", "writer with injected task failures")
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "200")
     try:
-        write(df, spark_broker, topic="once", batchSize=100, maxInFlight=2)
+        write(df, spark_broker, topic="once", batchSize=20, maxInFlight=1)
     finally:
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
         context.setLocalProperty("spark.jobGroup.id", None)
