@@ -159,6 +159,16 @@ class OrderlyPartition:
             self.pending.clear_blocked = True
         self.handled(message, now)
 
+    def dead_lettered_in_lane(self, message: Message, *, park: bool, malformed: bool) -> None:
+        """As dead_lettered, for a message of a batch handled in lanes (key_concurrency): counted
+        and its key parked now; the batch's end moves the position."""
+        self.pending.dead_letters += 1
+        if malformed:
+            self.pending.malformed += 1
+        if park and message.key:
+            self.parked.add(message.key)
+            self.pending.parked.append((message.key, message.offset))
+
     def unblocked(self, now: float) -> None:
         if self.blocked is not None:
             self.blocked = None

@@ -54,6 +54,42 @@ def deserializer(spec: Callable[[bytes], Any] | str | None) -> Callable[[bytes],
     return spec if callable(spec) else None
 
 
+class MalformedLog:
+    """Malformed entries are logged at most once per partition per MALFORMED_LOG_INTERVAL_S,
+    with how many came since the last line; the rest are reported at close (both consumer
+    drivers)."""
+
+    def __init__(self, member: str) -> None:
+        self.member = member
+        self._logged: dict[TopicPartition, float] = {}
+        self._unreported: dict[TopicPartition, int] = {}
+
+    def note(self, message: Message, what: str) -> None:
+        tp = (message.topic, message.partition)
+        now = time.monotonic()
+        unreported = self._unreported.get(tp, 0)
+        if now - self._logged.get(tp, -1e9) < MALFORMED_LOG_INTERVAL_S:
+            self._unreported[tp] = unreported + 1
+            return
+        self._logged[tp] = now
+        self._unreported[tp] = 0
+        reason = getattr(message, "reason", "")
+        more = f"; {unreported} more malformed entries since the last report" if unreported else ""
+        log.error(
+            "%s: %s/%d: 1 malformed entry %s (at %s: %s)%s",
+            self.member, tp[0], tp[1], what, message.offset, reason, more,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        for (topic, partition), count in self._unreported.items():
+            if count:
+                log.error(
+                    "%s: %s/%d: %d more malformed entries since the last report",
+                    self.member, topic, partition, count,
+                )  # fmt: skip
+        self._unreported.clear()
+
+
 class PartitionIO:
     """The Redis calls of one consumer's partitions."""
 
@@ -77,8 +113,7 @@ class PartitionIO:
         self._writers: dict[str, DeadLetterWriter] = {}
         self._writers_lock = threading.Lock()
         self._last_claim: dict[TopicPartition, float] = {}
-        self._malformed_logged: dict[TopicPartition, float] = {}
-        self._malformed_unreported: dict[TopicPartition, int] = {}
+        self.malformed_log = MalformedLog(member)
 
     # -- a pooled connection on the partition's node ---------------------------------------------
     def _exchange(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -259,22 +294,7 @@ class PartitionIO:
             log.warning("%s: could not record the blocked message: %s", self.member, exc)
 
     def note_malformed(self, message: Message, what: str) -> None:
-        """Logged at most once per partition per MALFORMED_LOG_INTERVAL_S, with how many came
-        since the last line (the rest are reported at close)."""
-        tp = (message.topic, message.partition)
-        now = time.monotonic()
-        unreported = self._malformed_unreported.get(tp, 0)
-        if now - self._malformed_logged.get(tp, -1e9) < MALFORMED_LOG_INTERVAL_S:
-            self._malformed_unreported[tp] = unreported + 1
-            return
-        self._malformed_logged[tp] = now
-        self._malformed_unreported[tp] = 0
-        reason = getattr(message, "reason", "")
-        more = f"; {unreported} more malformed entries since the last report" if unreported else ""
-        log.error(
-            "%s: %s/%d: 1 malformed entry %s (at %s: %s)%s",
-            self.member, tp[0], tp[1], what, message.offset, reason, more,
-        )  # fmt: skip
+        self.malformed_log.note(message, what)
 
     def screen(
         self,
@@ -348,12 +368,7 @@ class PartitionIO:
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()
-        for (topic, partition), count in self._malformed_unreported.items():
-            if count:
-                log.error(
-                    "%s: %s/%d: %d more malformed entries since the last report",
-                    self.member, topic, partition, count,
-                )  # fmt: skip
+        self.malformed_log.close()
 
 
 def _stream_entries(reply: Any) -> list[Any]:

@@ -273,19 +273,13 @@ class Worker(threading.Thread):
                 " (key parked)" if park else "", error,
             )  # fmt: skip
         if reader is not None:
+            malformed = isinstance(message, MalformedMessage)
             with self.consumer._lock:
                 if lane:  # the batch's end moves the position; count and park now
-                    reader.pending.dead_letters += 1
-                    if park and message.key:
-                        reader.parked.add(message.key)
-                        reader.pending.parked.append((message.key, message.offset))
+                    reader.dead_lettered_in_lane(message, park=park, malformed=malformed)
                 else:
-                    reader.dead_lettered(
-                        message,
-                        park=park,
-                        malformed=isinstance(message, MalformedMessage),
-                        now=time.monotonic(),
-                    )
+                    now = time.monotonic()
+                    reader.dead_lettered(message, park=park, malformed=malformed, now=now)
 
     def _on_malformed(self, reader: OrderlyPartition | None, message: Message, lane: bool) -> None:
         action = self.policy.malformed()

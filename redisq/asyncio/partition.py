@@ -18,12 +18,13 @@ from redisq.dispatch import OrderlyPartition
 from redisq.errors import LeaseLost
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
+from redisq.partition import MalformedLog
 from redisq.policies import (
     FailurePolicy,
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
-from redisq.records import Message, decode_entries
+from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.settings import ConsumerSettings
 
 from .producer import Producer
@@ -58,6 +59,7 @@ class AsyncPartitionIO:
         self._letters: Producer | None = None
         self._letter_topics: set[str] = set()
         self._last_claim: dict[TopicPartition, float] = {}
+        self.malformed_log = MalformedLog(member)
 
     async def _exchange(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Commands in one write on a pooled connection of the node serving `key`, raw replies."""
@@ -196,6 +198,8 @@ class AsyncPartitionIO:
             self._letters = Producer(self.broker, **LETTER_PRODUCER_OPTIONS)  # type: ignore[arg-type]
         value, key, headers, message_id = letter(message, error, attempts, self.group)
         await self._letters.send(topic, value, key=key, headers=headers, message_id=message_id)
+        if isinstance(message, MalformedMessage):
+            self.malformed_log.note(message, f"dead-lettered to {topic}")
         if reader is None:
             await self.broker.scripts.run(
                 calls.dead_letter(
@@ -219,6 +223,10 @@ class AsyncPartitionIO:
         except redis.RedisError as exc:
             log.warning("%s: could not record the blocked message: %s", self.member, exc)
 
+    def note_malformed(self, message: Message, what: str) -> None:
+        self.malformed_log.note(message, what)
+
     async def close(self) -> None:
+        self.malformed_log.close()
         if self._letters is not None:
             await self._letters.close()

@@ -229,16 +229,11 @@ class _Handling:
             )  # fmt: skip
         if reader is None:
             return
-        if lane:
-            reader.pending.dead_letters += 1
-            if park and message.key:
-                reader.parked.add(message.key)
-                reader.pending.parked.append((message.key, message.offset))
+        malformed = isinstance(message, MalformedMessage)
+        if lane:  # the batch's end moves the position; count and park now
+            reader.dead_lettered_in_lane(message, park=park, malformed=malformed)
         else:
-            reader.dead_lettered(
-                message, park=park, malformed=isinstance(message, MalformedMessage),
-                now=time.monotonic(),
-            )  # fmt: skip
+            reader.dead_lettered(message, park=park, malformed=malformed, now=time.monotonic())
 
     async def on_malformed(
         self, reader: OrderlyPartition | None, message: Message, lane: bool
@@ -249,11 +244,13 @@ class _Handling:
             self.consumer.stats.malformed += 1
             await self.dead_letter(reader, message, error, 0, action.park_key, lane)
             return
-        if reader is None:
+        if reader is None:  # concurrent: it stays pending and is retried when reclaimed
             self.consumer.stats.malformed += 1
+            self.io.note_malformed(message, "left pending (policy block)")
             return
-        if reader.blocked != message.offset:
+        if reader.blocked != message.offset:  # once per entry, however long it blocks
             self.consumer.stats.malformed += 1
+            self.io.note_malformed(message, "blocking (policy block)")
             await self.io.mark_blocked(self.tp, message, error, 0)
         reader.blocked = message.offset
         reader.reread_from(message.offset)
