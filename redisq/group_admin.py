@@ -30,7 +30,7 @@ from redisq.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.protocol.group import parse_lease
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.group")
 

@@ -19,7 +19,7 @@ from redisq.group_admin import refuse_if_live, require_group, stream_group
 from redisq.records import offset_parts
 
 if TYPE_CHECKING:
-    from redisq.broker import Broker
+    from redisq.handle import BrokerHandle as Broker
 
 log = logging.getLogger("redisq.group")
 

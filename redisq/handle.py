@@ -47,6 +47,8 @@ class BrokerHandle(Protocol):
 
     def describe_topic(self, topic: str) -> TopicDescription: ...
 
+    def delete_topic(self, topic: str, *, force: bool = False) -> None: ...
+
     def read(
         self,
         topic: str,
