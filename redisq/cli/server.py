@@ -130,7 +130,7 @@ def stop_command() -> int:
 def demo(messages: int, keys: int) -> int:
     """The mission end to end: ordered idempotent produce under connection chaos, message-id
     dedup, a consumer group losing a member, a Spark audit."""
-    from redisq.demo import run_demo
+    from redisq.cli.demo import run_demo
 
     chosen = settings()
     return run_demo(chosen.resolved_url, messages=messages, keys=keys)
@@ -143,8 +143,7 @@ def completion(shell: str) -> int:
     or the same for zsh; fish: redisq completion fish | source."""
     from click.shell_completion import get_completion_class
 
-    from redisq.cli import cli
-
+    root = click.get_current_context().find_root().command  # the `redisq` group
     cls: Any = get_completion_class(shell)
-    say(cls(cli, {}, "redisq", "_REDISQ_COMPLETE").source())
+    say(cls(root, {}, "redisq", "_REDISQ_COMPLETE").source())
     return OK

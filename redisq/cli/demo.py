@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 import redisq
-from redisq.cli import Progress, print_table
+from redisq.cli.common import Progress, print_table
 from redisq.connection import resolve_url
 
 TOPIC = "demo-orders"
