@@ -259,7 +259,8 @@ class Scheduler:
     """The thread driver: a daemon thread running scheduler rounds on the broker's connection
     pool until close(), which hands its leases back.
 
-        scheduler = redisq.Scheduler(broker, ["orders"])   # or all_topics=True
+        from redisq.scheduler import Scheduler
+        scheduler = Scheduler(broker, ["orders"])   # or all_topics=True
         ...
         scheduler.close()
     """

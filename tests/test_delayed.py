@@ -368,25 +368,47 @@ def test_delete_topic_deletes_the_schedule(broker: redisq.Broker) -> None:
 
 # -- schedulers: killed, side by side ------------------------------------------------------------
 
-_CHILD = """
-import sys, time, redisq
-from redisq.scheduler import Scheduler
-broker = redisq.connect(sys.argv[1], namespace=sys.argv[2])
-scheduler = Scheduler(broker, [sys.argv[3]])
-print("ready", flush=True)
-time.sleep(3600)
-"""
 
-
-def _start_scheduler_process(url: str, namespace: str, topic: str) -> subprocess.Popen[str]:
+def _start_scheduler_process(url: str, namespace: str, *topics: str) -> subprocess.Popen[str]:
+    """`redisq scheduler` in a process of its own, once it runs."""
+    options = [arg for topic in topics for arg in ("--topic", topic)]
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, url, namespace, topic],
-        stdout=subprocess.PIPE,
+        [sys.executable, "-m", "redisq.cli", "scheduler", "--url", url, "--namespace", namespace]
+        + options,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
-    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    assert child.stderr is not None
+    assert "delivering delayed messages" in child.stderr.readline()
     return child
+
+
+def test_the_scheduler_command_stops_cleanly(broker: redisq.Broker, server_url: str) -> None:
+    broker.create_topic("orders", partitions=PARTITIONS)
+    broker.create_topic("other", partitions=1)
+    with broker.producer() as producer:
+        for topic in ("orders", "other"):
+            for i in range(10):
+                producer.send_async(topic, b"%d" % i, key=f"k{i}", delay_ms=1500)
+    child = _start_scheduler_process(server_url, broker.namespace)  # every topic
+    try:
+        wait_for(lambda: len(read_all(broker, "orders")) + len(read_all(broker, "other")) == 20)
+        leases = [broker.keys.scheduler_lease("orders", p) for p in range(PARTITIONS)]
+        assert all(broker.client.exists(lease) for lease in leases)
+    finally:
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=20)
+    assert child.returncode == 0
+    assert "20 delayed messages delivered" in err
+    # Handed back, not left to expire.
+    assert [k for k in schedule_keys(broker, "orders", PARTITIONS) if b"schedlease" in k] == []
+    missing = subprocess.run(
+        [sys.executable, "-m", "redisq.cli", "scheduler", "--url", server_url,
+         "--namespace", broker.namespace, "--topic", "missing"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert missing.returncode == 3 and "TopicNotFound" in missing.stderr
 
 
 def test_a_sigkilled_scheduler_loses_and_doubles_nothing(

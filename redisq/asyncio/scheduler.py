@@ -29,7 +29,8 @@ class Scheduler:
     """Delivers the delayed messages of its topics (or of all_topics) from a task, until
     close(), which hands its leases back.
 
-        scheduler = redisq.asyncio.Scheduler(broker, ["orders"])
+        from redisq.asyncio.scheduler import Scheduler
+        scheduler = Scheduler(broker, ["orders"])
         ...
         await scheduler.close()
     """
