@@ -117,12 +117,17 @@ class OrderlyPartition:
     # -- handling --------------------------------------------------------------------------------
     def handled(self, message: Message, now: float) -> None:
         """One message handled (in offset order): the position may move past it."""
-        if message.offset in self.held:
-            del self.held[message.offset]
-            self.pending.unheld.append(message.offset)
+        offset = message.offset
+        if offset in self.held:
+            del self.held[offset]
+            self.pending.unheld.append(offset)
             self._touch(now)
             return
-        self._advance(message.offset, now)
+        # _advance, inlined: run() calls this once per message
+        self.done = offset
+        self.done_count += 1
+        if self.uncommitted_since is None:
+            self.uncommitted_since = now
 
     def handled_through(self, offset: str, count: int, now: float) -> None:
         """A batch handled in lanes (any order inside it): the position moves to its end."""

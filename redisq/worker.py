@@ -160,8 +160,41 @@ class Worker(threading.Thread):
         if self.settings.key_concurrency > 1 and len(messages) > 1:
             self._handle_in_lanes(reader, messages)
             return
+        # The common case in a few steps per message: a well-formed message, no parked keys, a
+        # handler that succeeds at its first attempt. Anything else takes _handle_one's path (a
+        # failure goes on from its first attempt there), with the same checks in the same order.
+        consumer = self.consumer
+        lock = consumer._lock
+        may_handle = consumer.ownership.may_handle
+        stats = consumer.stats
+        handler = consumer.handler_for_workers()
+        plain = consumer._key_decoder is None and consumer._value_decoder is None
+        tp = self.tp
+        monotonic = time.monotonic
         for message in messages:
-            self._handle_one(reader, message, lane=False)
+            if reader.parked or message.__class__ is not Message:
+                self._handle_one(reader, message, lane=False)
+                continue
+            # Read without the lock: the coordinator replaces the ownership's fields whole, so
+            # this sees the state just before or just after a change (the lock adds nothing to
+            # a check that can be outdated the moment it returns); the lease deadline is what
+            # bounds it, and a lost lease fences the commit anyway.
+            if not may_handle(tp, monotonic()):
+                raise _Stop
+            stats.consumed += 1
+            try:
+                handler(message if plain else consumer._deserialize(message))
+            except _Stop:
+                raise
+            except Exception as error:
+                self._failed(message, error)
+                self._attempts(reader, message, lane=False, failure=error)
+                continue
+            now = monotonic()
+            stats.handled += 1  # consumer.note_handled(1), inlined
+            consumer._last_handled = now
+            with lock:
+                reader.handled(message, now)
 
     def _handle_in_lanes(self, reader: OrderlyPartition, messages: list[Message]) -> None:
         """Each lane takes its keys in order; the position moves once the whole batch is
@@ -199,26 +232,44 @@ class Worker(threading.Thread):
             self._on_malformed(reader, message, lane)
             return
         consumer.stats.consumed += 1
+        self._attempts(reader, message, lane=lane)
+
+    def _failed(self, message: Message, error: Exception) -> None:
+        self.consumer.stats.failures += 1
+        log.warning(
+            "%s: %s/%d@%s attempt %d failed (%s: %s)",
+            self.consumer.name, *self.tp, message.offset, message.attempt,
+            type(error).__name__, error,
+        )  # fmt: skip
+
+    def _attempts(
+        self,
+        reader: OrderlyPartition | None,
+        message: Message,
+        *,
+        lane: bool,
+        failure: Exception | None = None,
+    ) -> None:
+        """The handler under the failure policy (handle_under_policy's steps); `failure`: the
+        first attempt was made already and failed with it."""
+        consumer = self.consumer
         handler = consumer.handler_for_workers()
         steps = handle_under_policy(message, self.policy)
-        step = next(steps)
         try:
+            step = next(steps)
+            if failure is not None:
+                step = steps.send(failure)
             while True:
                 if isinstance(step, CallHandler):
                     current: Message = step.message  # type: ignore[assignment]
-                    failure: Exception | None = None
+                    failure = None
                     try:
                         handler(consumer._deserialize(current))
                     except _Stop:
                         raise
                     except Exception as error:
                         failure = error
-                        consumer.stats.failures += 1
-                        log.warning(
-                            "%s: %s/%d@%s attempt %d failed (%s: %s)",
-                            consumer.name, *self.tp, current.offset, current.attempt,
-                            type(error).__name__, error,
-                        )  # fmt: skip
+                        self._failed(current, error)
                     step = steps.send(failure)
                 elif isinstance(step, MarkBlocked):
                     if reader is not None:

@@ -156,8 +156,30 @@ class _Handling:
                     raise result
             reader.handled_through(messages[-1].offset, len(messages), time.monotonic())
             return
+        # The common case in a few steps per message (see redisq.worker.Worker._handle_batch);
+        # anything else takes handle_one's path, a failure going on from its first attempt.
+        consumer = self.consumer
+        may_handle = consumer.ownership.may_handle
+        call_handler = consumer._call_handler
+        stats = consumer.stats
+        tp = self.tp
+        monotonic = time.monotonic
         for message in messages:
-            await self.handle_one(reader, message, lane=False)
+            if reader.parked or message.__class__ is not Message:
+                await self.handle_one(reader, message, lane=False)
+                continue
+            if not may_handle(tp, monotonic()):
+                raise Stop
+            stats.consumed += 1
+            failure = await call_handler(message)
+            if failure is not None:
+                self.failed(message, failure)
+                await self.attempts(reader, message, lane=False, failure=failure)
+                continue
+            now = monotonic()
+            stats.handled += 1  # consumer.note_handled(1), inlined
+            consumer._last_handled = now
+            reader.handled(message, now)
 
     async def handle_one(
         self, reader: OrderlyPartition | None, message: Message, *, lane: bool
@@ -171,20 +193,38 @@ class _Handling:
             await self.on_malformed(reader, message, lane)
             return
         consumer.stats.consumed += 1
+        await self.attempts(reader, message, lane=lane)
+
+    def failed(self, message: Message, error: BaseException) -> None:
+        self.consumer.stats.failures += 1
+        log.warning(
+            "%s: %s/%d@%s attempt %d failed (%s: %s)",
+            self.consumer.name, *self.tp, message.offset, message.attempt,
+            type(error).__name__, error,
+        )  # fmt: skip
+
+    async def attempts(
+        self,
+        reader: OrderlyPartition | None,
+        message: Message,
+        *,
+        lane: bool,
+        failure: BaseException | None = None,
+    ) -> None:
+        """The handler under the failure policy (handle_under_policy's steps); `failure`: the
+        first attempt was made already and failed with it."""
+        consumer = self.consumer
         steps = handle_under_policy(message, self.policy)
-        step = next(steps)
         try:
+            step = next(steps)
+            if failure is not None:
+                step = steps.send(failure)
             while True:
                 if isinstance(step, CallHandler):
                     current: Message = step.message  # type: ignore[assignment]
                     failure = await consumer._call_handler(current)
                     if failure is not None:
-                        consumer.stats.failures += 1
-                        log.warning(
-                            "%s: %s/%d@%s attempt %d failed (%s: %s)",
-                            consumer.name, *self.tp, current.offset, current.attempt,
-                            type(failure).__name__, failure,
-                        )  # fmt: skip
+                        self.failed(current, failure)
                     step = steps.send(failure)
                 elif isinstance(step, MarkBlocked):
                     if reader is not None:
