@@ -39,7 +39,7 @@ from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
-from redisq.sending import MessageEncoder, Round, script_for
+from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, script_for
 from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
@@ -285,15 +285,19 @@ class Producer:
         partition: int | None = None,
         delay_ms: int | None = None,
         deliver_at: datetime | None = None,
+        timestamp_ms: int | None = None,
     ) -> SendFuture:
         """Queue a message; the returned future's result() is its RecordMetadata.
 
         Raises at once (and queues nothing) on bad input: TypeError for a value, key or header
         of the wrong type, MessageTooLarge, TopicNotFound, PartitionOutOfRange.
         delay_ms / deliver_at (tz-aware): stored now, appended when due (see redisq.delayed).
+        timestamp_ms: the message's own time (Kafka's CreateTime; Message.timestamp_ms), else
+        its append time.
         """
         core = self._core
         if delay_ms is not None or deliver_at is not None:
+            refuse_timestamp_with_delay(timestamp_ms)
             if core.fatal is not None:
                 raise core.fatal
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
@@ -309,7 +313,7 @@ class Producer:
             if now - cached[0] >= self._metadata_max_age_s:
                 self._refresh_in_background(topic)  # a silent server must not stall send()
         p, layout, parts, size = self._encoder.encode_fast(
-            config, value, key, headers, message_id, partition
+            config, value, key, headers, message_id, partition, timestamp_ms
         )
         # The condition's own lock: `with self._cond` costs two Python-level calls per message.
         with self._lock:
@@ -348,12 +352,16 @@ class Producer:
         timeout: float | None = None,
         delay_ms: int | None = None,
         deliver_at: datetime | None = None,
+        timestamp_ms: int | None = None,
     ) -> RecordMetadata:
         """Send one message and block until it is acknowledged (no linger)."""
         if delay_ms is not None or deliver_at is not None:
+            refuse_timestamp_with_delay(timestamp_ms)
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
             return self._delayed.send(*args, timeout=timeout)
-        future = self.send_async(topic, value, key, headers, message_id, partition)
+        future = self.send_async(
+            topic, value, key, headers, message_id, partition, timestamp_ms=timestamp_ms
+        )
         with self._cond:
             self._core.seal_batch(cast(Batch, future._batch))
             self._cond.notify_all()

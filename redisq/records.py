@@ -215,8 +215,14 @@ class Message:
 
     @property
     def timestamp(self) -> float:
-        """Append time in seconds since the epoch (from the stream ID)."""
+        """timestamp_ms in seconds: the producer's timestamp when it set one (send(...,
+        timestamp_ms=): Kafka's CreateTime), else the append time (the stream ID's)."""
         return self.timestamp_ms / 1000.0
+
+    @property
+    def append_time_ms(self) -> int:
+        """When the broker appended it (the stream ID's milliseconds: Kafka's LogAppendTime)."""
+        return int(self.offset.partition("-")[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +327,7 @@ def decode_entries(
                     raise ValueError(offset)
                 ms_prefix = offset[: dash + 1]
                 ms = int(offset[:dash])
-            blob = message_id = sequence = None
+            blob = message_id = sequence = created = None
             names = flat[0::2] if type(flat) is list else None
             if names == _K_V_P_S:
                 key, value, producer_id, sequence = flat[1], flat[3], flat[5], flat[7]
@@ -344,6 +350,11 @@ def decode_entries(
                 get = found.get
                 key, value, blob = get(b"k"), found[b"v"], get(b"h")
                 message_id, producer_id, sequence = get(b"m"), get(b"p"), get(b"s")
+                stamp = get(b"t")  # the producer's timestamp (CreateTime), when it set one
+                if stamp is not None:
+                    if not stamp.isdigit() or len(stamp) > 15:
+                        raise ValueError(offset)
+                    created = int(stamp)
             if producer_id is not None:
                 pid = producer_ids.get(producer_id, _MISSING)
                 if pid is _MISSING:
@@ -371,7 +382,7 @@ def decode_entries(
         s3(m, key)
         s4(m, value)
         s5(m, headers)
-        s6(m, ms)
+        s6(m, ms if created is None else created)
         s7(m, pid)
         s8(m, seq)
         s9(m, message_id)

@@ -8,6 +8,7 @@ EVALSHA commands (behind ASKING after an ASK redirection) and WAIT/WAITAOF for s
 
 from __future__ import annotations
 
+import json
 import logging
 import zlib
 from collections.abc import Callable, Mapping
@@ -36,6 +37,26 @@ _crc32 = zlib.crc32  # partitioner.partition_for_key, inlined on the hot path
 _join = b"".join
 _BULK = BULK_HEADERS
 _CRLF = b"\r\n"
+MAX_TIMESTAMP_MS = 1 << 48  # 48 bits of ms: year 10889, as a ULID's time
+
+
+def serializer(spec: Callable[[Any], bytes] | str | None) -> Callable[[Any], bytes] | None:
+    """A key/value serializer option as a function: "json" (compact UTF-8 JSON), "str"
+    (str(value) in UTF-8), a callable returning bytes, or None (bytes and str as they are)."""
+    if spec is None or callable(spec):
+        return spec
+    if spec == "json":
+        return lambda value: json.dumps(value, separators=(",", ":")).encode()
+    if spec == "str":
+        return lambda value: str(value).encode()
+    raise TypeError(f"a serializer is 'json', 'str' or a callable, not {spec!r}")
+
+
+def refuse_timestamp_with_delay(timestamp_ms: int | None) -> None:
+    if timestamp_ms is not None:
+        raise errors.InvalidConfig(
+            "timestamp_ms and a delay: a delayed message's time is when it is delivered"
+        )
 
 
 def as_bytes(what: str, value: object) -> bytes:
@@ -69,6 +90,17 @@ class MessageEncoder:
         self._selector = settings.partitioner
         self._sticky = StickyPartitioner()
         self._ids = MessageIdGenerator() if settings.idempotence == "message_id" else None
+        self._key_serializer = serializer(settings.key_serializer)
+        self._value_serializer = serializer(settings.value_serializer)
+        self._serializing = bool(self._key_serializer or self._value_serializer)
+
+    def serialize(self, value: Any, key: Any) -> tuple[Any, Any]:
+        """The configured serializers applied (a key of None stays None)."""
+        if self._value_serializer is not None:
+            value = self._value_serializer(value)
+        if key is not None and self._key_serializer is not None:
+            key = self._key_serializer(key)
+        return value, key
 
     def batch_sealed(self, batch: Batch) -> None:
         self._sticky.batch_sealed(batch.topic, batch.partition, batch.config.partitions)
@@ -81,6 +113,8 @@ class MessageEncoder:
         message_id: bytes | str | int | None,
     ) -> None:
         """The checks of encode() that need no topic: types, sizes, an empty key or id."""
+        if self._serializing:
+            value, key = self.serialize(value, key)
         self._fields(value, key, headers, message_id, generate=False)
 
     def _fields(
@@ -121,11 +155,27 @@ class MessageEncoder:
     def encode(
         self,
         config: TopicConfig,
+        value: Any,
+        key: Any,
+        headers: Mapping[str, str | bytes] | None,
+        message_id: bytes | str | int | None,
+        partition: int | None,
+        timestamp_ms: int | None = None,
+    ) -> Encoded:
+        """Check, route and encode one message (serialized first, if configured)."""
+        if self._serializing:
+            value, key = self.serialize(value, key)
+        return self._encode(config, value, key, headers, message_id, partition, timestamp_ms)
+
+    def _encode(
+        self,
+        config: TopicConfig,
         value: bytes | str,
         key: bytes | str | None,
         headers: Mapping[str, str | bytes] | None,
         message_id: bytes | str | int | None,
         partition: int | None,
+        timestamp_ms: int | None,
     ) -> Encoded:
         value, key, headers_b, mid, size = self._fields(value, key, headers, message_id)
         partitions = config.partitions
@@ -145,16 +195,26 @@ class MessageEncoder:
         else:
             partition = self._sticky.partition(config.name, partitions)
         layout = LAYOUTS[key is not None, headers_b is not None, mid is not None]
-        return Encoded(partition, layout, encode_message(key, value, headers_b, mid), size)
+        parts = encode_message(key, value, headers_b, mid)
+        if timestamp_ms is not None:  # Kafka's CreateTime: the entry's field t
+            if isinstance(timestamp_ms, bool) or not isinstance(timestamp_ms, int):
+                raise TypeError(f"timestamp_ms must be an int, not {type(timestamp_ms).__name__}")
+            if not 0 <= timestamp_ms <= MAX_TIMESTAMP_MS:
+                raise ValueError(f"timestamp_ms={timestamp_ms}: ms since the epoch, 0 to 2**48")
+            stamp = b"%d" % timestamp_ms
+            layout += "t"
+            parts += (_BULK[len(stamp)], stamp, _CRLF)
+        return Encoded(partition, layout, parts, size)
 
     def encode_fast(
         self,
         config: TopicConfig,
-        value: bytes | str,
-        key: bytes | str | None,
+        value: Any,
+        key: Any,
         headers: Mapping[str, str | bytes] | None,
         message_id: bytes | str | int | None,
         partition: int | None,
+        timestamp_ms: int | None = None,
     ) -> tuple[int, str, bytes | list[bytes], int]:
         """encode() as (partition, layout, RESP pieces, size), for send_async's hot path.
 
@@ -162,11 +222,14 @@ class MessageEncoder:
         without a message id: the common shapes) is checked and encoded here in one step, as
         one bytes object; anything else, and every error, goes through encode(). Same checks,
         same bytes on the wire."""
+        if self._serializing:
+            value, key = self.serialize(value, key)
         if (
             key is not None
             and headers is None
             and partition is None
             and self._selector is None
+            and timestamp_ms is None
         ):  # fmt: skip
             if type(value) is not bytes:
                 value = value.encode() if type(value) is str else as_bytes("value", value)
@@ -194,7 +257,7 @@ class MessageEncoder:
                         ),
                         size,
                     )  # fmt: skip
-        message = self.encode(config, value, key, headers, message_id, partition)
+        message = self._encode(config, value, key, headers, message_id, partition, timestamp_ms)
         return message.partition, message.layout, message.parts, message.size
 
 

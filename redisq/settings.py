@@ -41,6 +41,8 @@ class ProducerOptions(TypedDict, total=False):
     ack_timeout_ms: int  # acks="replicas"/"fsync": how long WAIT/WAITAOF waits
     metadata_max_age_ms: int  # topic metadata is read again this often (added partitions)
     partitioner: Selector | None  # (topic, key, value, partitions) -> partition
+    key_serializer: Callable[[Any], bytes] | str | None  # "json", "str" or a callable
+    value_serializer: Callable[[Any], bytes] | str | None
     transactional: bool  # Kafka style: p.transaction() (needs a name; fences older instances)
     transactional_group: str | None  # RocketMQ style: p.send_in_transaction(), check-back
     check: Callable[..., Any] | None  # check(tx_id, messages) -> TxState (check-back)
@@ -68,6 +70,8 @@ class ProducerSettings:
     ack_timeout_ms: int = 1_000
     metadata_max_age_ms: int = 5_000
     partitioner: Callable[[str, bytes | None, bytes, int], int] | None = None
+    key_serializer: Callable[[Any], bytes] | str | None = None
+    value_serializer: Callable[[Any], bytes] | str | None = None
     transactional: bool = False
     transactional_group: str | None = None
     check: Callable[..., Any] | None = None
@@ -117,6 +121,10 @@ class ProducerSettings:
             )
         if self.partitioner is not None and not callable(self.partitioner):
             raise TypeError(f"partitioner must be callable, not {type(self.partitioner).__name__}")
+        for name in ("key_serializer", "value_serializer"):
+            value = getattr(self, name)
+            if value is not None and value not in ("json", "str") and not callable(value):
+                raise TypeError(f"{name} must be 'json', 'str' or a callable, not {value!r}")
         self._check_transactions()
 
     def _check_transactions(self) -> None:

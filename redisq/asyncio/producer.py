@@ -35,7 +35,7 @@ from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced, Unsuppo
 from redisq.keys import validate_name
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
-from redisq.sending import MessageEncoder, Round, script_for
+from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, script_for
 from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
@@ -48,7 +48,7 @@ log = logging.getLogger("redisq.asyncio.producer")
 
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
-_Send = tuple[str, Any, Any, Any, Any, Any, "asyncio.Future[RecordMetadata]"]
+_Send = tuple[str, Any, Any, Any, Any, Any, int | None, "asyncio.Future[RecordMetadata]"]
 
 
 def _finished(batch: Batch) -> None:
@@ -220,13 +220,16 @@ class Producer:
         partition: int | None = None,
         delay_ms: int | None = None,
         deliver_at: datetime | None = None,
+        timestamp_ms: int | None = None,
     ) -> asyncio.Future[RecordMetadata]:
         """Queue a message; the future's result is its RecordMetadata (see the module doc).
-        delay_ms / deliver_at (tz-aware): stored now, appended when due (see redisq.delayed)."""
+        delay_ms / deliver_at (tz-aware): stored now, appended when due (see redisq.delayed).
+        timestamp_ms: the message's own time (see redisq.Producer.send_async)."""
         core = self._core
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
         if delay_ms is not None or deliver_at is not None:
+            refuse_timestamp_with_delay(timestamp_ms)
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
             return self._delayed.send_async(*args)
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
@@ -238,7 +241,9 @@ class Producer:
             self._encoder.check(value, key, headers, message_id)
             if core.buffered + len(self._deferred) >= self.settings.max_buffered_messages:
                 raise self._buffer_full()
-            self._deferred.append((topic, value, key, headers, message_id, partition, future))
+            self._deferred.append(
+                (topic, value, key, headers, message_id, partition, timestamp_ms, future)
+            )
             if self._drainer is None or self._drainer.done():
                 self._drainer = asyncio.ensure_future(self._drain_deferred())
             return future
@@ -248,7 +253,7 @@ class Producer:
         ):
             self._refreshing.add(topic)  # refreshed in the background; this one goes now
             asyncio.ensure_future(self._refresh(topic))
-        self._enqueue(cached[1], value, key, headers, message_id, partition, future)
+        self._enqueue(cached[1], value, key, headers, message_id, partition, future, timestamp_ms)
         return future
 
     def _buffer_full(self) -> errors.RedisqError:
@@ -266,12 +271,13 @@ class Producer:
         message_id: Any,
         partition: Any,
         future: asyncio.Future[RecordMetadata],
+        timestamp_ms: int | None = None,
     ) -> Batch:
         core = self._core
         if core.buffered >= self.settings.max_buffered_messages:
             raise self._buffer_full()
         p, layout, parts, size = self._encoder.encode_fast(
-            config, value, key, headers, message_id, partition
+            config, value, key, headers, message_id, partition, timestamp_ms
         )
         batch, _, opened = core.append(config, p, layout, parts, size, time.monotonic())
         if batch.waiter is None:
@@ -284,10 +290,10 @@ class Producer:
     async def _drain_deferred(self) -> None:
         """Messages queued before their topic's metadata was loaded, in send order."""
         while self._deferred:
-            topic, value, key, headers, message_id, partition, future = self._deferred[0]
+            topic, value, key, headers, message_id, partition, stamp, future = self._deferred[0]
             try:
                 config = await self._topic_config(topic)
-                self._enqueue(config, value, key, headers, message_id, partition, future)
+                self._enqueue(config, value, key, headers, message_id, partition, future, stamp)
             except Exception as exc:
                 if not future.done():
                     future.set_exception(exc)
@@ -304,9 +310,11 @@ class Producer:
         partition: int | None = None,
         delay_ms: int | None = None,
         deliver_at: datetime | None = None,
+        timestamp_ms: int | None = None,
     ) -> RecordMetadata:
         """Send one message and wait until it is acknowledged (no linger)."""
         if delay_ms is not None or deliver_at is not None:
+            refuse_timestamp_with_delay(timestamp_ms)
             if self._core.fatal is not None:
                 raise self._core.fatal
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
@@ -330,7 +338,9 @@ class Producer:
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
-        batch = self._enqueue(config, value, key, headers, message_id, partition, future)
+        batch = self._enqueue(
+            config, value, key, headers, message_id, partition, future, timestamp_ms
+        )
         core.seal_batch(batch)
         self._wake.set()
         return await future

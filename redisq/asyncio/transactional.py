@@ -120,12 +120,15 @@ class Transaction:
         headers: Mapping[str, str | bytes] | None = None,
         message_id: bytes | str | int | None = None,
         partition: int | None = None,
+        timestamp_ms: int | None = None,
     ) -> None:
         """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
         self._check_open()
         config = self._configs.get(topic) or await self._producer._topic_config(topic)
         self._configs[topic] = config
-        encoded = self._producer._encoder.encode(config, value, key, headers, message_id, partition)
+        encoded = self._producer._encoder.encode(
+            config, value, key, headers, message_id, partition, timestamp_ms
+        )
         self._staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
         if self._staging.full():
             await self._stage()
