@@ -160,26 +160,35 @@ class Worker(threading.Thread):
         if self.settings.key_concurrency > 1 and len(messages) > 1:
             self._handle_in_lanes(reader, messages)
             return
-        # The common case in a few steps per message: a well-formed message, no parked keys, a
-        # handler that succeeds at its first attempt. Anything else takes _handle_one's path (a
-        # failure goes on from its first attempt there), with the same checks in the same order.
+        self._handle_plain(reader, messages)
+
+    def _handle_plain(self, reader: OrderlyPartition | None, messages: list[Message]) -> None:
+        """Messages in order, the common case in a few steps each: a well-formed message, no
+        parked keys, a handler that succeeds at its first attempt. Anything else takes
+        _handle_one's path (a failure goes on from its first attempt there), with the same
+        checks in the same order."""
         consumer = self.consumer
         lock = consumer._lock
-        may_handle = consumer.ownership.may_handle
+        ownership = consumer.ownership
+        stopping = consumer._stopping
         stats = consumer.stats
         handler = consumer.handler_for_workers()
         plain = consumer._key_decoder is None and consumer._value_decoder is None
         tp = self.tp
         monotonic = time.monotonic
+        pending_acks = self._pending_acks
         for message in messages:
-            if reader.parked or message.__class__ is not Message:
+            if message.__class__ is not Message or (reader is not None and reader.parked):
                 self._handle_one(reader, message, lane=False)
                 continue
             # Read without the lock: the coordinator replaces the ownership's fields whole, so
             # this sees the state just before or just after a change (the lock adds nothing to
             # a check that can be outdated the moment it returns); the lease deadline is what
             # bounds it, and a lost lease fences the commit anyway.
-            if not may_handle(tp, monotonic()):
+            if reader is not None:
+                if not ownership.may_handle(tp, monotonic()):
+                    raise _Stop
+            elif stopping.is_set() or tp not in ownership.owned:
                 raise _Stop
             stats.consumed += 1
             try:
@@ -193,6 +202,11 @@ class Worker(threading.Thread):
             now = monotonic()
             stats.handled += 1  # consumer.note_handled(1), inlined
             consumer._last_handled = now
+            if reader is None:  # concurrent: XACK with the next read
+                if not pending_acks:
+                    self._ack_since = now
+                pending_acks.append(message.offset)
+                continue
             with lock:
                 reader.handled(message, now)
 
@@ -361,14 +375,12 @@ class Worker(threading.Thread):
             try:
                 claimed = self.io.claim_idle(self.tp, batch)
                 if claimed:
-                    for message in claimed:
-                        self._handle_one(None, message, lane=False)
+                    self._handle_plain(None, claimed)
                     continue
                 ids = self._pending_acks[:1000]
                 messages = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self._pending_acks[: len(ids)]
-                for message in messages:
-                    self._handle_one(None, message, lane=False)
+                self._handle_plain(None, messages)
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", consumer.name, *self.tp, exc)
                 time.sleep(0.2)

@@ -156,19 +156,27 @@ class _Handling:
                     raise result
             reader.handled_through(messages[-1].offset, len(messages), time.monotonic())
             return
-        # The common case in a few steps per message (see redisq.worker.Worker._handle_batch);
-        # anything else takes handle_one's path, a failure going on from its first attempt.
+        await self.handle_plain(reader, messages)
+
+    async def handle_plain(self, reader: OrderlyPartition | None, messages: list[Message]) -> None:
+        """Messages in order, the common case in a few steps each (see
+        redisq.worker.Worker._handle_plain); anything else takes handle_one's path, a failure
+        going on from its first attempt."""
         consumer = self.consumer
-        may_handle = consumer.ownership.may_handle
+        ownership = consumer.ownership
+        stopping = consumer._stopping
         call_handler = consumer._call_handler
         stats = consumer.stats
         tp = self.tp
         monotonic = time.monotonic
         for message in messages:
-            if reader.parked or message.__class__ is not Message:
+            if message.__class__ is not Message or (reader is not None and reader.parked):
                 await self.handle_one(reader, message, lane=False)
                 continue
-            if not may_handle(tp, monotonic()):
+            if reader is not None:
+                if not ownership.may_handle(tp, monotonic()):
+                    raise Stop
+            elif stopping.is_set() or tp not in ownership.owned:
                 raise Stop
             stats.consumed += 1
             failure = await call_handler(message)
@@ -176,10 +184,12 @@ class _Handling:
                 self.failed(message, failure)
                 await self.attempts(reader, message, lane=False, failure=failure)
                 continue
-            now = monotonic()
             stats.handled += 1  # consumer.note_handled(1), inlined
-            consumer._last_handled = now
-            reader.handled(message, now)
+            consumer._last_handled = now = monotonic()
+            if reader is None:  # concurrent: XACK with the next read
+                self.pending_acks.append(message.offset)
+            else:
+                reader.handled(message, now)
 
     async def handle_one(
         self, reader: OrderlyPartition | None, message: Message, *, lane: bool
@@ -304,14 +314,12 @@ class _Handling:
             try:
                 claimed = await self.io.claim_idle(self.tp, batch)
                 if claimed:
-                    for message in claimed:
-                        await self.handle_one(None, message, lane=False)
+                    await self.handle_plain(None, claimed)
                     continue
                 ids = self.pending_acks[:1000]
                 messages = await self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self.pending_acks[: len(ids)]
-                for message in messages:
-                    await self.handle_one(None, message, lane=False)
+                await self.handle_plain(None, messages)
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", self.consumer.name, *self.tp, exc)
                 await asyncio.sleep(0.2)
