@@ -18,7 +18,7 @@ from redisq.delayed import (
     encode_delayed,
     when,
 )
-from redisq.errors import ProducerClosed
+from redisq.errors import ProducerClosed, TopicNotFound
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS, Scheduler
@@ -44,7 +44,7 @@ class DelayedSender:
     """The thread driver of delayed sends for one producer: a sender thread started by the
     first delayed message, and a scheduler for the topics it sent to (so a producer alone
     delivers what it scheduled while it lives). future_type builds the producer's future of
-    one message from (batch, index)."""
+    one message from (batch, index); forget_topic drops the producer's cached metadata."""
 
     def __init__(
         self,
@@ -54,6 +54,7 @@ class DelayedSender:
         topic_config: Callable[[str], TopicConfig],
         identity: Callable[[], ProducerIdentity],
         future_type: Callable[[Any, int], Any],
+        forget_topic: Callable[[str], None],
     ) -> None:
         self._broker = broker
         self._settings = settings
@@ -61,6 +62,7 @@ class DelayedSender:
         self._topic_config = topic_config
         self._identity = identity
         self._future_type = future_type
+        self._forget_topic = forget_topic  # the producer's cached metadata of a deleted topic
         self._core = DelayedCore(settings, encoder.batch_sealed)
         self._cond = threading.Condition(threading.Lock())
         self._ids: ScheduleIds | None = None
@@ -68,6 +70,8 @@ class DelayedSender:
         self._scheduler: Scheduler | None = None
         self._scheduled_topics: set[str] = set()
         self._closing = False
+        self._configs: dict[str, tuple[float, TopicConfig]] = {}
+        self._refreshing: set[str] = set()
 
     def send_async(
         self,
@@ -114,7 +118,7 @@ class DelayedSender:
                 f'delayed messages with acks="{self._settings.acks}" are not supported on Redis '
                 'Cluster yet; use acks="leader"'
             )
-        config = self._topic_config(topic)
+        config = self._config(topic)
         when_ = when(config, delay_ms, deliver_at)
         identity = self._identity()
         if self._ids is None:
@@ -134,6 +138,33 @@ class DelayedSender:
             if topic not in self._scheduled_topics:
                 self._start(topic)
         return batch, index
+
+    def _config(self, topic: str) -> TopicConfig:
+        """The topic's metadata: read by the first send to it; then read again in the
+        background once older than metadata_max_age_ms (a silent server must not stall send)."""
+        cached = self._configs.get(topic)
+        if cached is None:
+            config = self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
+            self._configs[topic] = (time.monotonic(), config)
+            return config
+        if time.monotonic() - cached[0] >= self._settings.metadata_max_age_ms / 1000:
+            with self._cond:
+                start = topic not in self._refreshing
+                self._refreshing.add(topic)
+            if start:
+                threading.Thread(target=self._refresh, args=(topic,), daemon=True).start()
+        return cached[1]
+
+    def _refresh(self, topic: str) -> None:
+        try:
+            self._configs[topic] = (time.monotonic(), self._topic_config(topic))
+        except TopicNotFound:  # the next send reads it again, and raises
+            self._configs.pop(topic, None)
+        except Exception as exc:  # kept: the next send tries again
+            log.debug("metadata refresh of %s failed: %s", topic, exc)
+        finally:
+            with self._cond:
+                self._refreshing.discard(topic)
 
     def _wait_for_buffer_space(self) -> None:
         limit = self._settings.max_buffered_messages
@@ -194,6 +225,9 @@ class DelayedSender:
         with self._cond:
             finished, self._core.finished = self._core.finished, []
         for batch in finished:
+            if isinstance(batch.error, TopicNotFound):  # deleted: the next send reads it again
+                self._configs.pop(batch.topic, None)
+                self._forget_topic(batch.topic)
             waiter: _Waiter = batch.waiter
             waiter.event.set()
             for index, callback in waiter.callbacks or ():

@@ -107,8 +107,9 @@ class Producer:
         self._refreshing: set[str] = set()
         self._closed = False
         self._delayed = DelayedSender(  # send(..., delay_ms=...): redisq.delayed
-            broker, settings, self._encoder, self._topic_config, lambda: self.identity, SendFuture
-        )
+            broker, settings, self._encoder, self._topic_config, lambda: self.identity,
+            SendFuture, self._forget_topic,
+        )  # fmt: skip
 
         self._check_acks_supported()
         if settings.transactional and name is None:

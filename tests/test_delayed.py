@@ -366,6 +366,18 @@ def test_delete_topic_deletes_the_schedule(broker: redisq.Broker) -> None:
         producer.send("orders", b"after", delay_ms=100)
 
 
+def test_delayed_sends_to_a_deleted_topic_fail(broker: redisq.Broker) -> None:
+    broker.create_topic("orders", partitions=2)
+    with broker.producer() as producer:
+        producer.send("orders", b"first", key="k", delay_ms=60_000)  # the topic is cached
+        broker.delete_topic("orders")
+        late = producer.send_async("orders", b"late", key="k", delay_ms=100)
+        assert isinstance(late.exception(timeout=10), redisq.TopicNotFound)
+        with pytest.raises(redisq.TopicNotFound):  # now known: refused at once
+            producer.send_async("orders", b"again", key="k", delay_ms=100)
+    assert schedule_keys(broker, "orders", 2) == []
+
+
 # -- schedulers: killed, side by side ------------------------------------------------------------
 
 

@@ -153,6 +153,20 @@ async def test_bad_input_is_refused_with_nothing_stored(env: Env) -> None:
 
 
 @aio
+async def test_delayed_sends_to_a_deleted_topic_fail(env: Env) -> None:
+    async with env.connect() as broker:
+        await broker.create_topic("orders", partitions=2)
+        async with broker.producer() as producer:
+            await producer.send("orders", b"first", key="k", delay_ms=60_000)  # cached
+            await broker.delete_topic("orders")
+            with pytest.raises(redisq.TopicNotFound):
+                await producer.send_async("orders", b"late", key="k", delay_ms=100)
+            with pytest.raises(redisq.TopicNotFound):  # now known: read again, refused
+                await producer.send("orders", b"again", key="k", delay_ms=100)
+        assert env.sync.list_topics() == []
+
+
+@aio
 async def test_asyncio_and_thread_schedulers_side_by_side(env: Env) -> None:
     """An asyncio scheduler and a thread scheduler on one topic, the leases stolen all the
     while: each message appended once; closing hands the leases back."""

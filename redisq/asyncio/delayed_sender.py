@@ -25,7 +25,7 @@ from redisq.delayed import (
     encode_delayed,
     when,
 )
-from redisq.errors import ProducerClosed
+from redisq.errors import ProducerClosed, TopicNotFound
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
@@ -200,6 +200,8 @@ class DelayedSender:
     def _signal_finished(self) -> None:
         finished, self._core.finished = self._core.finished, []
         for batch in finished:
+            if isinstance(batch.error, TopicNotFound):  # deleted: the next send reads it again
+                self._cache.pop(batch.topic, None)
             for index, future in batch.waiter:
                 if future.done():
                     continue
