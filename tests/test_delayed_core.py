@@ -64,7 +64,7 @@ def test_when_a_partition_is_called_again() -> None:
         ("orders", 0),
         ("orders", 1),
         ("orders", 2),
-    ]  # noqa: E501
+    ]
     assert len(core.calls(KEYS, now=10.0 + TICK_MS / 1000)) == 4
     assert core.delivered == DELIVER_LIMIT + 3 and len(core.held()) == 4
     assert core.next_wakeup(10.0) == 0.0
@@ -84,7 +84,7 @@ def test_lease_held_elsewhere_missing_topic_and_failures() -> None:
         ("orders", 0),
         ("orders", 1),
         ("orders", 2),
-    ]  # noqa: E501
+    ]
     assert core.stale_topics(now=0.0) == ["orders"]  # TopicNotFound: read the metadata again
     core.config_read("orders", None, now=1.0)  # deleted: its partitions go
     assert core.calls(KEYS, now=2.0) == [] and core.release_calls(KEYS) == []
