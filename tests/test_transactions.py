@@ -187,14 +187,20 @@ def test_ended_transaction_cannot_be_used(broker: redisq.Broker, driver: Any) ->
     assert values_of(broker, "out") == [b"v1"]
 
 
-def test_timeout_aborts_an_open_transaction(broker: redisq.Broker, driver: Any) -> None:
+# A transaction of 2 messages in batches of 2 is all staged (its commit only decides); of 3,
+# one message is still to be staged at the commit.
+STAGED = pytest.mark.parametrize("sent", [2, 3], ids=["all-staged", "partly-staged"])
+
+
+@STAGED
+def test_timeout_aborts_an_open_transaction(broker: redisq.Broker, driver: Any, sent: int) -> None:
     """An open transaction past transaction_timeout_ms is aborted by the sweeper (here the
     producer's own background duty): what it staged never appears, and its commit fails."""
     broker.create_topic("out", partitions=2)
     options = {"transaction_timeout_ms": 1000, **FAST, **SMALL_BATCHES}
     with driver.producer("slow", transactional=True, **options) as producer:
         tx = producer.transaction()
-        for i in range(3):
+        for i in range(sent):
             tx.send("out", f"v{i}", key="k")
         assert staged_batches(broker, tx.transaction_id) == 1
         wait_until(lambda: tx_state(broker, tx.transaction_id) == "aborted", 15, "the sweeper")
@@ -204,14 +210,15 @@ def test_timeout_aborts_an_open_transaction(broker: redisq.Broker, driver: Any) 
     assert registry(broker) == []
 
 
-def test_zombie_instance_is_fenced(broker: redisq.Broker, driver: Any) -> None:
-    """Instance A of "x" has staged part of a transaction; instance B of "x" starts and aborts
-    it. A's commit fails, none of A's messages ever appear, A can write nothing more; B's
-    transactions commit."""
+@STAGED
+def test_zombie_instance_is_fenced(broker: redisq.Broker, driver: Any, sent: int) -> None:
+    """Instance A of "x" has staged (all or part of) a transaction; instance B of "x" starts
+    and aborts it. A's commit fails, none of A's messages ever appear, A can write nothing
+    more; B's transactions commit."""
     broker.create_topic("out", partitions=2)
     a = driver.producer("x", transactional=True, **SMALL_BATCHES)
     tx = a.transaction()
-    for i in range(3):
+    for i in range(sent):
         tx.send("out", f"a{i}", key="k")
     assert staged_batches(broker, tx.transaction_id) == 1
     b = driver.producer("x", transactional=True)
@@ -459,6 +466,32 @@ def test_check_back_rollback_discards(broker: redisq.Broker, driver: Any) -> Non
         wait_until(lambda: tx_state(broker, result.transaction_id) == "aborted", 15, "rollback")
     nothing_visible(broker, "orders")
     assert len(check.calls) == 1
+
+
+def test_late_local_commit_loses_to_the_check_back(broker: redisq.Broker, driver: Any) -> None:
+    """local takes longer than the first check-back, whose check answers ROLLBACK: the
+    decision is the check-back's, for good. local's COMMIT then fails (TransactionAborted)
+    and the message never appears."""
+    broker.create_topic("orders", partitions=2)
+    check = Answers(redisq.TxState.ROLLBACK)
+
+    def slow_local(tx_id: str, messages: list[redisq.TxMessage]) -> redisq.TxState:
+        wait_until(lambda: tx_state(broker, tx_id) == "aborted", 15, "the check-back")
+        return redisq.TxState.COMMIT
+
+    async def slow_async_local(tx_id: str, messages: list[redisq.TxMessage]) -> redisq.TxState:
+        # (a plain function would block the event loop, and the check-back with it)
+        deadline = time.monotonic() + 15
+        while tx_state(broker, tx_id) != "aborted" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return redisq.TxState.COMMIT
+
+    local = slow_async_local if driver.name == "async" else slow_local
+    with driver.producer(transactional_group="svc", check=check, **CHECKS) as producer:
+        with pytest.raises(redisq.TransactionAborted):
+            producer.send_in_transaction("orders", b"created", local=local)
+    assert len(check.calls) == 1
+    nothing_visible(broker, "orders")
 
 
 def test_check_back_gives_up_into_the_unresolved_topic(broker: redisq.Broker, driver: Any) -> None:
