@@ -1,4 +1,5 @@
-"""`redisq audit order|skew|throughput|lag TOPIC`: run a job, print its table, write a PNG."""
+"""`redisq audit order|skew|throughput|lag|content TOPIC`: run a job, print its table, write a
+PNG. Exit codes: 0 clean (or done), 1 faults found (order, content), 2 could not run."""
 
 from __future__ import annotations
 
@@ -13,33 +14,11 @@ AUDIT_KINDS = {
     "skew": "partition skew and hot keys",
     "throughput": "messages per second over time, per partition",
     "lag": "consumer-group lag per partition",
+    "content": "duplicated and missing content: by a hash of key and value, by message id, "
+    "or against a source table (--against)",
 }
 
 PrintTable = Callable[[Sequence[Sequence[Any]], Sequence[str]], None]
-
-
-def add_audit_parser(
-    sub: Any, common: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]
-) -> None:
-    audit = sub.add_parser(
-        "audit", help="Spark analysis jobs: order, skew, throughput, lag (needs the [spark] extra)"
-    )
-    kinds = audit.add_subparsers(dest="audit_command", required=True)
-    for kind, text in AUDIT_KINDS.items():
-        parser = kinds.add_parser(kind, parents=[common], help=text, description=text)
-        parser.add_argument("topic")
-        parser.add_argument("--group", default=None, help="lag: only this consumer group")
-        parser.add_argument(
-            "--plot", default=None, help="PNG to write (default: redisq-<kind>-<topic>.png)"
-        )
-        parser.add_argument(
-            "--master", default=None, help="Spark master (default: local[*]; or SPARK_REMOTE)"
-        )
-        parser.add_argument("--top", type=int, default=10, help="skew: how many hot keys")
-        parser.add_argument(
-            "--bucket-ms", type=int, default=1000, help="throughput: bucket width in ms"
-        )
-        parser.set_defaults(audit_kind=kind, func=func)
 
 
 def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | None = None) -> int:
@@ -97,6 +76,8 @@ def _run_job(
     kind, topic = args.audit_kind, args.topic
     plot = Path(args.plot or f"redisq-{kind}-{topic}.png")
     status = 0
+    if kind == "content":
+        return _content(args, spark, url, plot, print_table, out)
     if kind == "lag":
         rows = jobs.consumer_lag(spark, url, args.namespace, topic, args.group).collect()
         columns = ["partition", "group", "consumers", "pending", "lag", "last_delivered"]
@@ -125,6 +106,12 @@ def _run_job(
                     ["key", "messages", "partitions", "out_of_order"],
                 )
             print("\n" + result.verdict(topic), file=out)
+            if not result.rows:
+                print(
+                    "no message carries a producer sequence, so this audit proves nothing about "
+                    f"duplicates or losses: run `redisq audit content {topic}`",
+                    file=out,
+                )
             status = 0 if result.clean else 1
             jobs.plot_audit(
                 result.rows, plot, f"ordering audit of {topic}", result.key_rows, result.id_rows
@@ -146,6 +133,57 @@ def _run_job(
             jobs.plot_throughput(rows, plot, f"throughput of {topic}")
     print(f"plot: {plot}", file=out)
     return status
+
+
+def _content(
+    args: argparse.Namespace,
+    spark: Any,
+    url: str,
+    plot: Path,
+    print_table: PrintTable,
+    out: IO[str],
+) -> int:
+    from spark_connector import content_audit, jobs, plots
+
+    topic = args.topic
+    df = jobs.read_topic(spark, url, args.namespace, topic)
+    against = getattr(args, "against", None)
+    source = _source_table(spark, against) if against else None
+    result = content_audit.run(df, by=getattr(args, "by", None) or "hash", source=source)
+    print_table(
+        [[r.partition, r.duplicated, r.missing] for r in result.partitions],
+        ["partition", "duplicated", "missing"],
+    )
+    if result.samples:
+        print(f"\nfaulty contents (first {len(result.samples)}):", file=out)
+        print_table(
+            [
+                [_show(r.key), _show(r.value)[:40], r.copies, r.due, _offsets(r.offsets)]
+                for r in result.samples
+            ],
+            ["key", "value", "copies", "due", "offsets"],
+        )
+    print("\n" + result.verdict(topic), file=out)
+    plots.plot_content(result, plot, f"content audit of {topic}")
+    print(f"plot: {plot}", file=out)
+    return 0 if result.clean else 1
+
+
+def _source_table(spark: Any, against: str) -> Any:
+    """--against: a table name, or a file or directory (parquet, or csv/json by extension)."""
+    path = Path(against)
+    if not path.exists():
+        return spark.table(against)
+    fmt = {".csv": "csv", ".json": "json", ".jsonl": "json"}.get(path.suffix.lower(), "parquet")
+    reader = spark.read.format(fmt)
+    if fmt == "csv":
+        reader = reader.option("header", "true")
+    return reader.load(str(path))
+
+
+def _offsets(offsets: Any) -> str:
+    shown = ", ".join(offsets[:3]) if offsets else "-"
+    return shown + (", ..." if offsets and len(offsets) > 3 else "")
 
 
 def _show(value: Any) -> str:

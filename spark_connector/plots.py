@@ -193,6 +193,37 @@ def plot_lag(rows: Sequence[Any], path: str | Path, title: str) -> Path:
     return save(lag_figure(rows, title), path)
 
 
+def content_figure(result: Any, title: str) -> Figure:
+    """Duplicated and missing messages per partition (-1: missing rows without a key)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    rows = [r for r in result.partitions if r.duplicated or r.missing]
+    verdict = (
+        "CLEAN"
+        if result.clean
+        else (f"{result.duplicated:,} duplicated, {result.missing:,} missing")
+    )
+    ax.set_title(f"{title}: {verdict}")
+    if not rows:
+        _say(ax, "CLEAN: no duplicated or missing content")
+        ax.set_axis_off()
+        return fig
+    partitions = [int(r.partition) for r in rows]
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], [int(r.duplicated) for r in rows], 0.4, label="duplicated")
+    ax.bar([i + 0.2 for i in x], [int(r.missing) for r in rows], 0.4, label="missing")
+    ax.set_xticks(x, [str(p) if p >= 0 else "no key" for p in partitions])
+    ax.set_xlabel("partition")
+    _count_axis(ax, "messages")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_content(result: Any, path: str | Path, title: str) -> Path:
+    return save(content_figure(result, title), path)
+
+
 def _partition_axis(ax: Axes, partitions: Sequence[int]) -> None:
     """One tick per partition, integers only (no 0.5 steps)."""
     ax.set_xlabel("partition")

@@ -15,9 +15,9 @@ from spark_connector.commands import AUDIT_KINDS
 
 @click.group("audit")
 def audit() -> None:
-    """Spark analysis jobs: order, skew, throughput, lag (need the [spark] extra and Java 17).
-    Each prints a table and writes a PNG; the topic and the server are checked before Spark
-    starts."""
+    """Spark analysis jobs: order, skew, throughput, lag, content (need the [spark] extra and
+    Java 17). Each prints a table and writes a PNG; the topic and the server are checked before
+    Spark starts. Exit 0: clean, 1: faults found (order, content), 2: could not run."""
 
 
 def _make(kind: str, text: str) -> click.Command:
@@ -38,10 +38,17 @@ def _make(kind: str, text: str) -> click.Command:
         "--bucket-ms", type=click.IntRange(min=1), default=1000, show_default=True,
         help="throughput: bucket width in ms.",
     )  # fmt: skip
+    @click.option(
+        "--by", type=click.Choice(["hash", "message_id"]), default="hash", show_default=True,
+        help="content: what makes two messages the same (key and value, or message id).",
+    )  # fmt: skip
+    @click.option(
+        "--against", help="content: a source table (name, or parquet/csv/json path) to compare.",
+    )  # fmt: skip
     @connection_options
     def command(
         topic: str, group: str | None, plot: str | None, master: str | None, top: int,
-        bucket_ms: int,
+        bucket_ms: int, by: str, against: str | None,
     ) -> int:  # fmt: skip
         from spark_connector.commands import run_audit
 
@@ -54,6 +61,8 @@ def _make(kind: str, text: str) -> click.Command:
             master=master,
             top=top,
             bucket_ms=bucket_ms,
+            by=by,
+            against=against,
             url=chosen.resolved_url,
             namespace=chosen.resolved_namespace,
         )
