@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from redisq.errors import DeliveryTimeout, InvalidConfig, NotEnoughReplicas
+from redisq.errors import DeliveryTimeout, InvalidConfig, NotEnoughReplicas, ProducerFenced
 from redisq.keys import KeySpace
 from redisq.protocol import Command, Step
 from redisq.protocol import schedule as calls
@@ -37,6 +37,7 @@ from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
+from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 
 # The longest delay of a topic without a retention age: RocketMQ 5's default limit.
@@ -154,8 +155,14 @@ class DelayedCore:
     to send now, what a reply means, when to retry or give up. No I/O, no locks (the thread
     driver holds its lock around every call)."""
 
-    def __init__(self, settings: ProducerSettings, on_sealed: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        settings: ProducerSettings,
+        on_sealed: Callable[[Any], None],
+        stats: ProducerStats | None = None,
+    ) -> None:
         self.settings = settings
+        self.stats = stats if stats is not None else ProducerStats()  # the producer's counters
         self._on_sealed = on_sealed  # keyless messages move on to the next partition
         self._max_messages = settings.max_batch_messages
         self._linger_s = settings.linger_ms / 1000
@@ -177,6 +184,7 @@ class DelayedCore:
         batch = queue[-1]
         batch.messages.append(message)
         self.buffered += 1
+        self.stats.sent += 1
         if len(batch.messages) >= self._max_messages:
             self.seal(batch)
         return batch, len(batch.messages) - 1, opened
@@ -277,6 +285,7 @@ class DelayedCore:
             getattr(error, "retriable", False)
         )
         if retriable and now < batch.deadline:
+            self.stats.retries += 1
             batch.last_error = error
             backoff_ms = self.settings.retry_backoff_ms * (0.5 + random.random())
             batch.retry_at = now + min(1.0, backoff_ms / 1000)
@@ -315,6 +324,15 @@ class DelayedCore:
         if not queue:
             del self._queues[key]
         self.buffered -= len(batch.messages)
+        count, stats = len(batch.messages), self.stats
+        if batch.error is None:
+            stats.acknowledged += count
+            if batch.result is not None:
+                stats.duplicates += count - batch.result.flags.count("0")
+        else:
+            stats.failed += count
+            if isinstance(batch.error, ProducerFenced):
+                stats.fenced += count
         self.finished.append(batch)
 
 

@@ -24,6 +24,7 @@ from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS, Scheduler
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
+from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class DelayedSender:
         identity: Callable[[], ProducerIdentity],
         future_type: Callable[[Any, int], Any],
         forget_topic: Callable[[str], None],
+        stats: ProducerStats | None = None,
     ) -> None:
         self._broker = broker
         self._settings = settings
@@ -63,7 +65,7 @@ class DelayedSender:
         self._identity = identity
         self._future_type = future_type
         self._forget_topic = forget_topic  # the producer's cached metadata of a deleted topic
-        self._core = DelayedCore(settings, encoder.batch_sealed)
+        self._core = DelayedCore(settings, encoder.batch_sealed, stats)
         self._cond = threading.Condition(threading.Lock())
         self._ids: ScheduleIds | None = None
         self._thread: threading.Thread | None = None

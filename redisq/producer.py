@@ -108,7 +108,7 @@ class Producer:
         self._closed = False
         self._delayed = DelayedSender(  # send(..., delay_ms=...): redisq.delayed
             broker, settings, self._encoder, self._topic_config, lambda: self.identity,
-            SendFuture, self._forget_topic,
+            SendFuture, self._forget_topic, self._core.stats,
         )  # fmt: skip
 
         self._check_acks_supported()

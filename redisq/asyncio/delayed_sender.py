@@ -31,6 +31,7 @@ from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
+from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class DelayedSender:
         topic_config: Callable[[str], Awaitable[TopicConfig]],
         cache: dict[str, tuple[float, TopicConfig]],
         identity: Callable[[], ProducerIdentity | None],
+        stats: ProducerStats | None = None,
     ) -> None:
         self._broker = broker
         self._settings = settings
@@ -60,7 +62,7 @@ class DelayedSender:
         self._topic_config = topic_config
         self._cache = cache  # the producer's: topic -> (read at, metadata)
         self._identity = identity
-        self._core = DelayedCore(settings, encoder.batch_sealed)
+        self._core = DelayedCore(settings, encoder.batch_sealed, stats)
         self._ids: ScheduleIds | None = None
         self._deferred: deque[tuple[_Args, asyncio.Future[RecordMetadata]]] = deque()
         self._drainer: asyncio.Task[None] | None = None

@@ -109,7 +109,7 @@ class Producer:
         self._closed = False
         self._delayed = DelayedSender(  # send(..., delay_ms=...): redisq.delayed
             broker, settings, self._encoder, self._topic_config, self._topics,
-            lambda: self.identity,
+            lambda: self.identity, self._core.stats,
         )  # fmt: skip
 
     @property
