@@ -19,6 +19,8 @@ from redisq.delayed import (
     when,
 )
 from redisq.errors import ProducerClosed, TopicNotFound
+from redisq.futures import Waiter
+from redisq.futures import finished as signal_finished
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS, Scheduler
@@ -31,14 +33,6 @@ if TYPE_CHECKING:
     from redisq.handle import BrokerHandle
 
 log = logging.getLogger("redisq.producer")
-
-
-class _Waiter:
-    __slots__ = ("event", "callbacks")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.callbacks: list[tuple[int, Callable[[Any], None]]] | None = None
 
 
 class DelayedSender:
@@ -134,7 +128,7 @@ class DelayedSender:
                 self._wait_for_buffer_space()
             batch, index, opened = self._core.append(config, p, scheduled, time.monotonic())
             if batch.waiter is None:
-                batch.waiter = _Waiter()
+                batch.waiter = Waiter()
             if opened or batch.sealed:
                 self._cond.notify_all()
             if topic not in self._scheduled_topics:
@@ -230,13 +224,7 @@ class DelayedSender:
             if isinstance(batch.error, TopicNotFound):  # deleted: the next send reads it again
                 self._configs.pop(batch.topic, None)
                 self._forget_topic(batch.topic)
-            waiter: _Waiter = batch.waiter
-            waiter.event.set()
-            for index, callback in waiter.callbacks or ():
-                try:
-                    callback(self._future_type(batch, index))
-                except Exception:  # a user's callback must not stop the sender
-                    log.exception("send callback raised")
+            signal_finished(batch)
 
     def _run(self) -> None:
         core, keys = self._core, self._broker.keys
