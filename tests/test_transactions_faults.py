@@ -251,10 +251,11 @@ def test_ctp_new_producer_instance_applies_the_position(
         assert before == {source_of(m.value) for m in broker.read("out", p)} & before
         assert before <= done
     assert sum(len(list(broker.read("in", p, end=positions[p]))) for p in positions) == 6
+    ends = {p: list(broker.read("in", p))[-1].offset for p in range(2)}
     restarted = Child(ctp_child, server_url, broker.namespace, _ctp_spec("m1"))
     try:
-        wait_until(lambda: len(values_of(broker, "out")) >= len(inputs), 30, "the output")
-        time.sleep(0.3)  # anything written twice would show by now
+        consumed = lambda: committed_positions(broker, "in", "xf") == ends  # noqa: E731
+        wait_until(consumed, 30, "every input consumed")
     finally:
         restarted.kill()
     assert_output_exactly_once(broker, inputs)
