@@ -24,20 +24,19 @@ from redisq.accumulator import ProducerCore
 from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionAborted
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
-from redisq.protocol.group import Lease
-from redisq.protocol.produce import ProducerIdentity
-from redisq.protocol.transactions import InputPosition
+from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactions import (
-    Staging,
+    TransactionCore,
     TransactionResult,
     TxConsumer,
     TxMessage,
     TxState,
     Writer,
+    half_message,
     messages_of,
     new_transaction_id,
     records_of,
@@ -74,15 +73,6 @@ def as_state(answer: Any, what: str) -> TxState:
     return TxState.UNKNOWN
 
 
-def expire_ms(settings: ProducerSettings) -> int:
-    """How long an undecided transaction's keys live: past its timeout (half messages: past the
-    last check-back), with an hour to spare for a sweeper or a checker to come by."""
-    if settings.transactional_group is not None:
-        checks = settings.check_first_ms + settings.check_interval_ms * settings.max_checks
-        return max(settings.transaction_timeout_ms, checks) + 3_600_000
-    return settings.transaction_timeout_ms + 3_600_000
-
-
 def background_tick_s(check_interval_ms: int) -> float:
     """How often the background duties run: a quarter of the check interval, 50 ms to 1 s."""
     return min(1.0, max(0.05, check_interval_ms / 4000))
@@ -102,18 +92,23 @@ class Transaction:
     """
 
     def __init__(self, transactions: Transactions, tx_id: str) -> None:
-        self.transaction_id = tx_id
-        self.state = "open"
-        self.records: tuple[RecordMetadata, ...] = ()
         self._tx = transactions
         self._producer = transactions.producer
-        settings = self._producer.settings
-        self._staging = Staging(settings.max_batch_messages, settings.max_batch_bytes)
-        self._written = 0  # batches staged in Redis
-        self._registered = False
-        self._configs: dict[str, TopicConfig] = {}
-        self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
-        self._writer = transactions.writer()
+        self._core = TransactionCore(tx_id, self._producer.settings, self._producer._core.stats)
+        self._writer = Writer.of(self._producer.settings, self._producer.identity)
+
+    @property
+    def transaction_id(self) -> str:
+        return self._core.transaction_id
+
+    @property
+    def state(self) -> str:
+        """ "open", "committed" or "aborted"."""
+        return self._core.state
+
+    @property
+    def records(self) -> tuple[RecordMetadata, ...]:
+        return self._core.records
 
     def __repr__(self) -> str:
         return f"<redisq.Transaction {self.transaction_id} {self.state}>"
@@ -143,85 +138,64 @@ class Transaction:
         timestamp_ms: int | None = None,
     ) -> None:
         """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
-        self._check_open()
-        config = self._configs.get(topic) or self._producer._topic_config(topic)
-        self._configs[topic] = config
+        core = self._core
+        core.check_open()
+        config = core.configs.get(topic) or self._producer._topic_config(topic)
         encoded = self._producer._encoder.encode(
             config, value, key, headers, message_id, partition, timestamp_ms
         )
-        self._staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
-        if self._staging.full():
+        if core.add(config, encoded):
             self._stage()
 
     def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (consume-transform-
         produce): only if it commits, and only while `consumer` still holds their partitions;
         an aborted transaction makes the consumer read them again."""
-        self._check_open()
-        for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
-            self._inputs[(position.group, position.topic, position.partition)] = (
-                consumer,
-                lease,
-                position,
-            )
+        self._core.check_open()
+        self._core.ack(consumer, messages)
 
     def commit(self) -> tuple[RecordMetadata, ...]:
         """Stage what is left, decide, roll forward; TransactionAborted if it could not commit
         (its timeout passed, a newer instance started, an input partition moved)."""
-        self._check_open()
-        self._staging.seal_all()
+        core = self._core
+        core.check_open()
         self._stage()
-        inputs = [(lease, position) for _, lease, position in self._inputs.values()]
-        staged = self._staging.staged
+        keys, writer, staged, inputs = (
+            self._tx.keys,
+            self._writer,
+            core.staging.staged,
+            core.inputs(),
+        )
         try:
             results = self._tx.run(
                 lambda: ops.commit(
-                    self._tx.keys, self.transaction_id, self._writer, staged, inputs,
-                    self._configs.get,
+                    keys, core.transaction_id, writer, staged, inputs, core.configs.get
                 )
-            )  # fmt: skip
+            )
         except TransactionAborted:
-            self._ended(committed=False)
+            self._ended(False)
             raise
-        self.records = records_of(staged, results, self._staging.order)
-        self._ended(committed=True)
-        return self.records
+        self._ended(True, results)
+        return core.records
 
     def abort(self) -> None:
         """Nothing of the transaction takes effect; the acked inputs are read again."""
-        self._check_open()
-        positions = [position for _, _, position in self._inputs.values()]
-        self._tx.run(lambda: ops.abort(self._tx.keys, self.transaction_id, self._writer, positions))
-        self._ended(committed=False)
+        core = self._core
+        core.check_open()
+        keys, writer, positions = self._tx.keys, self._writer, core.positions()
+        self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
+        self._ended(False)
 
     def _stage(self) -> None:
-        self._staging.seal_all()
-        new = self._staging.staged[self._written :]
-        if not new:
-            return
-        keys, tx_id, writer, first = self._tx.keys, self.transaction_id, self._writer, self._written
+        new, first, register = self._core.unstaged()
+        if new:
+            keys, tx_id, writer = self._tx.keys, self.transaction_id, self._writer
+            self._tx.run(lambda: ops.stage(keys, tx_id, writer, new, first, register=register))
+            self._core.staged(len(new))
 
-        def stage() -> Operation[None]:
-            yield from ops.stage(keys, tx_id, writer, new, first, register=not self._registered)
-
-        self._tx.run(stage)
-        self._registered = True
-        self._written += len(new)
-
-    def _ended(self, *, committed: bool) -> None:
-        self.state = "committed" if committed else "aborted"
-        stats = self._producer._core.stats
-        if committed:
-            stats.transactions_committed += 1
-        else:
-            stats.transactions_aborted += 1
+    def _ended(self, committed: bool, results: list[BatchResult] | None = None) -> None:
         self._tx.current = None
-        for consumer, _, position in self._inputs.values():
-            consumer._transaction_ended(position, committed)
-
-    def _check_open(self) -> None:
-        if self.state != "open":
-            raise TransactionAborted(f"transaction {self.transaction_id} is {self.state}")
+        self._core.ended(committed, results)
 
 
 class Transactions:
@@ -237,18 +211,7 @@ class Transactions:
         self._token = secrets.token_hex(8)
 
     def writer(self) -> Writer:
-        identity = self.producer.identity
-        group = self.settings.transactional_group
-        return Writer(
-            producer_id=identity.producer_id,
-            name=identity.name,
-            epoch=identity.epoch,
-            timeout_ms=self.settings.transaction_timeout_ms,
-            group=group,
-            first_check_ms=self.settings.check_first_ms if group else None,
-            exclusive=self.settings.transactional,
-            expire_ms=expire_ms(self.settings),
-        )
+        return Writer.of(self.settings, self.producer.identity)
 
     def run(self, make: Callable[[], Operation[T]]) -> T:
         """Run an (idempotent) operation, again after a connection error, until
@@ -306,9 +269,7 @@ class Transactions:
         producer = self.producer
         config = producer._topic_config(topic)
         encoded = producer._encoder.encode(config, value, key, headers, message_id, partition)
-        staging = Staging(1, 1 << 62)
-        staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
-        staging.seal_all()
+        staging = half_message(topic, encoded)
         tx_id, writer, keys = new_transaction_id(), self.writer(), self.keys
 
         def half() -> Operation[None]:

@@ -9,13 +9,17 @@ import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from redisq.errors import TransactionAborted
 from redisq.msgid import encode_ulid
 from redisq.protocol.group import Lease
-from redisq.protocol.produce import BatchResult
+from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.protocol.transactions import InputPosition, StagedBatch
 from redisq.records import Message, RecordMetadata, decode_headers, offset_at
+from redisq.settings import ProducerSettings
+from redisq.stats import ProducerStats
+from redisq.topic import TopicConfig
 
 
 class TxConsumer(Protocol):
@@ -157,3 +161,97 @@ class Writer:
     # when an undecided transaction's keys expire: past its timeout (or its last check-back)
     # with an hour to spare for the sweeper
     expire_ms: int = 3_600_000
+
+    @classmethod
+    def of(cls, settings: ProducerSettings, identity: ProducerIdentity) -> Writer:
+        """The writer of a producer's transactions, from its settings and current identity."""
+        group = settings.transactional_group
+        return cls(
+            producer_id=identity.producer_id,
+            name=identity.name,
+            epoch=identity.epoch,
+            timeout_ms=settings.transaction_timeout_ms,
+            group=group,
+            first_check_ms=settings.check_first_ms if group else None,
+            exclusive=settings.transactional,
+            expire_ms=expire_ms(settings),
+        )
+
+
+def expire_ms(settings: ProducerSettings) -> int:
+    """How long an undecided transaction's keys live: past its timeout (half messages: past the
+    last check-back), with an hour to spare for a sweeper or a checker to come by."""
+    if settings.transactional_group is not None:
+        checks = settings.check_first_ms + settings.check_interval_ms * settings.max_checks
+        return max(settings.transaction_timeout_ms, checks) + 3_600_000
+    return settings.transaction_timeout_ms + 3_600_000
+
+
+class TransactionCore:
+    """A transaction's state, shared by both drivers' Transaction objects (no I/O): its staged
+    and unstaged batches, the inputs it carries, its outcome."""
+
+    def __init__(self, tx_id: str, settings: ProducerSettings, stats: ProducerStats) -> None:
+        self.transaction_id = tx_id
+        self.state = "open"
+        self.records: tuple[RecordMetadata, ...] = ()
+        self.staging = Staging(settings.max_batch_messages, settings.max_batch_bytes)
+        self.configs: dict[str, TopicConfig] = {}
+        self.written = 0  # batches staged in Redis
+        self.registered = False
+        self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
+        self._stats = stats
+
+    def check_open(self) -> None:
+        if self.state != "open":
+            raise TransactionAborted(f"transaction {self.transaction_id} is {self.state}")
+
+    def add(self, config: TopicConfig, encoded: Any) -> bool:
+        """An encoded message (sending.Encoded) joins its partition's batch; True when a batch
+        is full and should be staged now."""
+        self.configs[config.name] = config
+        self.staging.add(
+            config.name, encoded.partition, encoded.layout, encoded.parts, encoded.size
+        )
+        return self.staging.full()
+
+    def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
+        for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
+            key = (position.group, position.topic, position.partition)
+            self._inputs[key] = (consumer, lease, position)
+
+    def unstaged(self) -> tuple[list[StagedBatch], int, bool]:
+        """(batches to stage now, the index of the first, whether to register first)."""
+        self.staging.seal_all()
+        return self.staging.staged[self.written :], self.written, not self.registered
+
+    def staged(self, count: int) -> None:
+        self.registered = True
+        self.written += count
+
+    def inputs(self) -> list[tuple[Lease, InputPosition]]:
+        return [(lease, position) for _, lease, position in self._inputs.values()]
+
+    def positions(self) -> list[InputPosition]:
+        return [position for _, _, position in self._inputs.values()]
+
+    def ended(self, committed: bool, results: list[BatchResult] | None = None) -> None:
+        """The outcome: records of a commit, counters, and the consumers told (an abort makes
+        them read the inputs again)."""
+        self.state = "committed" if committed else "aborted"
+        if committed and results is not None:
+            self.records = records_of(self.staging.staged, results, self.staging.order)
+        if committed:
+            self._stats.transactions_committed += 1
+        else:
+            self._stats.transactions_aborted += 1
+        for consumer, _, position in self._inputs.values():
+            consumer._transaction_ended(position, committed)
+
+
+def half_message(topic: str, encoded: Any) -> Staging:
+    """A half message (send_in_transaction) staged as one batch."""
+    staging = Staging(1, 1 << 62)
+    staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
+    staging.seal_all()
+    return staging

@@ -26,20 +26,19 @@ from redisq.accumulator import ProducerCore
 from redisq.asyncio.handle import AsyncBrokerHandle
 from redisq.errors import InvalidConfig, RedisqError, TransactionAborted
 from redisq.protocol import Operation
-from redisq.protocol.group import Lease
-from redisq.protocol.produce import ProducerIdentity
-from redisq.protocol.transactions import InputPosition
+from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
-from redisq.transactional import as_state, background_tick_s, expire_ms
+from redisq.transactional import as_state, background_tick_s
 from redisq.transactions import (
-    Staging,
+    TransactionCore,
     TransactionResult,
     TxConsumer,
     TxState,
     Writer,
+    half_message,
     messages_of,
     new_transaction_id,
     records_of,
@@ -76,24 +75,23 @@ class Transaction:
     """One transaction of an asyncio transactional producer (see redisq.Transaction)."""
 
     def __init__(self, transactions: Transactions, tx_id: str) -> None:
-        self.transaction_id = tx_id
-        self.state = "open"
-        self.records: tuple[RecordMetadata, ...] = ()
         self._tx = transactions
         self._producer = transactions.producer
-        settings = self._producer.settings
-        self._staging = Staging(settings.max_batch_messages, settings.max_batch_bytes)
-        self._written = 0
-        self._registered = False
-        self._configs: dict[str, TopicConfig] = {}
-        self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
+        self._core = TransactionCore(tx_id, self._producer.settings, self._producer._core.stats)
         self._writer: Writer | None = None  # taken once the producer has its identity
 
-    async def _writer_now(self) -> Writer:
-        if self._writer is None:
-            await self._producer.start()
-            self._writer = self._tx.writer()
-        return self._writer
+    @property
+    def transaction_id(self) -> str:
+        return self._core.transaction_id
+
+    @property
+    def state(self) -> str:
+        """ "open", "committed" or "aborted"."""
+        return self._core.state
+
+    @property
+    def records(self) -> tuple[RecordMetadata, ...]:
+        return self._core.records
 
     def __repr__(self) -> str:
         return f"<redisq.asyncio.Transaction {self.transaction_id} {self.state}>"
@@ -112,6 +110,12 @@ class Transaction:
         except Exception as abort_error:  # the block's exception is the one to see
             log.warning("transaction %s: abort failed: %s", self.transaction_id, abort_error)
 
+    async def _writer_now(self) -> Writer:
+        if self._writer is None:
+            await self._producer.start()
+            self._writer = self._tx.writer()
+        return self._writer
+
     async def send(
         self,
         topic: str,
@@ -123,79 +127,56 @@ class Transaction:
         timestamp_ms: int | None = None,
     ) -> None:
         """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
-        self._check_open()
-        config = self._configs.get(topic) or await self._producer._topic_config(topic)
-        self._configs[topic] = config
+        core = self._core
+        core.check_open()
+        config = core.configs.get(topic) or await self._producer._topic_config(topic)
         encoded = self._producer._encoder.encode(
             config, value, key, headers, message_id, partition, timestamp_ms
         )
-        self._staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
-        if self._staging.full():
+        if core.add(config, encoded):
             await self._stage()
 
     async def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (see
         redisq.Transaction.ack)."""
-        self._check_open()
-        for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
-            key = (position.group, position.topic, position.partition)
-            self._inputs[key] = (consumer, lease, position)
+        self._core.check_open()
+        self._core.ack(consumer, messages)
 
     async def commit(self) -> tuple[RecordMetadata, ...]:
-        self._check_open()
+        core = self._core
+        core.check_open()
         await self._stage()
-        inputs = [(lease, position) for _, lease, position in self._inputs.values()]
-        staged, writer = self._staging.staged, await self._writer_now()
+        keys, tx_id, writer = self._tx.keys, core.transaction_id, await self._writer_now()
+        staged, inputs = core.staging.staged, core.inputs()
         try:
             results = await self._tx.run(
-                lambda: ops.commit(
-                    self._tx.keys, self.transaction_id, writer, staged, inputs, self._configs.get
-                )
+                lambda: ops.commit(keys, tx_id, writer, staged, inputs, core.configs.get)
             )
         except TransactionAborted:
-            self._ended(committed=False)
+            self._ended(False)
             raise
-        self.records = records_of(staged, results, self._staging.order)
-        self._ended(committed=True)
-        return self.records
+        self._ended(True, results)
+        return core.records
 
     async def abort(self) -> None:
-        self._check_open()
-        positions = [position for _, _, position in self._inputs.values()]
-        writer = await self._writer_now()
-        await self._tx.run(lambda: ops.abort(self._tx.keys, self.transaction_id, writer, positions))
-        self._ended(committed=False)
+        core = self._core
+        core.check_open()
+        keys, writer, positions = self._tx.keys, await self._writer_now(), core.positions()
+        await self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
+        self._ended(False)
 
     async def _stage(self) -> None:
-        self._staging.seal_all()
-        new = self._staging.staged[self._written :]
-        if not new:
-            return
-        keys, tx_id, first = self._tx.keys, self.transaction_id, self._written
-        writer = await self._writer_now()
-        registered = self._registered
+        new, first, register = self._core.unstaged()
+        if new:
+            keys, tx_id, writer = self._tx.keys, self.transaction_id, await self._writer_now()
+            await self._tx.run(
+                lambda: ops.stage(keys, tx_id, writer, new, first, register=register)
+            )
+            self._core.staged(len(new))
 
-        def stage() -> Operation[None]:
-            yield from ops.stage(keys, tx_id, writer, new, first, register=not registered)
-
-        await self._tx.run(stage)
-        self._registered = True
-        self._written += len(new)
-
-    def _ended(self, *, committed: bool) -> None:
-        self.state = "committed" if committed else "aborted"
-        stats = self._producer._core.stats
-        if committed:
-            stats.transactions_committed += 1
-        else:
-            stats.transactions_aborted += 1
+    def _ended(self, committed: bool, results: list[BatchResult] | None = None) -> None:
         self._tx.current = None
-        for consumer, _, position in self._inputs.values():
-            consumer._transaction_ended(position, committed)
-
-    def _check_open(self) -> None:
-        if self.state != "open":
-            raise TransactionAborted(f"transaction {self.transaction_id} is {self.state}")
+        self._core.ended(committed, results)
 
 
 class Transactions:
@@ -212,17 +193,7 @@ class Transactions:
     def writer(self) -> Writer:
         identity = self.producer.identity
         assert identity is not None
-        group = self.settings.transactional_group
-        return Writer(
-            producer_id=identity.producer_id,
-            name=identity.name,
-            epoch=identity.epoch,
-            timeout_ms=self.settings.transaction_timeout_ms,
-            group=group,
-            first_check_ms=self.settings.check_first_ms if group else None,
-            exclusive=self.settings.transactional,
-            expire_ms=expire_ms(self.settings),
-        )
+        return Writer.of(self.settings, identity)
 
     async def run(self, make: Callable[[], Operation[T]]) -> T:
         """As redisq.transactional.Transactions.run, on the event loop."""
@@ -277,9 +248,7 @@ class Transactions:
         producer = self.producer
         config = await producer._topic_config(topic)
         encoded = producer._encoder.encode(config, value, key, headers, message_id, partition)
-        staging = Staging(1, 1 << 62)
-        staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
-        staging.seal_all()
+        staging = half_message(topic, encoded)
         tx_id, writer, keys = new_transaction_id(), self.writer(), self.keys
 
         def half() -> Operation[None]:
