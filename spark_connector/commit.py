@@ -32,7 +32,7 @@ from redisq import tx_ops
 from redisq.admin import read_config
 from redisq.errors import RedisqError, TopicNotFound, TransactionDecided
 from redisq.keys import KeySpace
-from redisq.protocol import Command, Operation, ScriptCall, optional_text, text
+from redisq.protocol import Command, Operation, Step, optional_text, text
 from redisq.protocol import transactions as tx
 from redisq.protocol.transactions import StagedBatch
 from redisq.topic import TopicConfig
@@ -187,7 +187,7 @@ def _apply(
     appended = 0
     for k in sorted(rounds):
         sent: list[int] = []
-        calls: list[ScriptCall[Any]] = []
+        calls: list[Step] = []
         for i in rounds[k]:
             config = configs.get(batches[i].topic)
             if config is None or batches[i].partition >= config.partitions:

@@ -170,7 +170,7 @@ def _against(topic: DataFrame, source: DataFrame, messages: int) -> ContentResul
         .cache()
     )
     try:
-        totals = both.agg(
+        totals: Any = both.agg(
             F.sum(F.greatest(F.col("copies") - F.col("due"), F.lit(0))).alias("duplicated"),
             F.sum(F.greatest(F.col("due") - F.col("copies"), F.lit(0))).alias("missing"),
         ).first()
@@ -196,7 +196,8 @@ def _placed(both: DataFrame, topic: DataFrame) -> list[Any]:
     routes (crc32(key) % partitions, the producer's partitioner), a missing keyless one at -1."""
     from pyspark.sql import functions as F
 
-    count = topic.agg(F.max("partition")).first()[0]
+    highest: Any = topic.agg(F.max("partition")).first()
+    count = highest[0]
     partitions = (count or 0) + 1
     dup = both.where(F.col("copies") > F.col("due")).select(
         F.col("partitions")[0].alias("partition"),

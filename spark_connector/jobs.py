@@ -10,8 +10,9 @@
     jobs.consumer_lag(spark, url, "rq", "orders").show()
 
 The ordering audit reads the producer id (field p) and sequence (field s) that idempotent
-producers store with every message. Sequences count per (producer, partition) from 0; a new
-epoch of a named producer, and each micro-batch of the Spark writer, starts again at 0, so a
+producers store with every message (the Spark writer's transactions carry none: check their
+topics with spark_connector.content_audit). Sequences count per (producer, partition) from 0;
+a new epoch of a named producer starts again at 0, so a
 0 after higher numbers opens a new run and is not counted as a fault (the one blind spot: a
 duplicate of sequence 0 looks the same). Within a run:
   gaps          sequence numbers missing between the run's lowest and highest

@@ -37,7 +37,7 @@ def package_zip(path: str | Path | None = None) -> Path:
     target = Path(path) if path is not None else Path(tempfile.mkdtemp()) / "redisq-code.zip"
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
         for package in (redisq, spark_connector):
-            root = Path(package.__file__).resolve().parent
+            root = Path(str(package.__file__)).resolve().parent
             for file in sorted(root.rglob("*")):
                 relative = file.relative_to(root.parent)
                 if file.is_file() and not _SKIP_DIRS & set(relative.parts):
