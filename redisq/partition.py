@@ -159,15 +159,23 @@ class PartitionIO:
             raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
         return decode_entries(lease.topic, lease.partition, result.entries)
 
+    def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Message]:
+        """read_range for a reader that has caught up: waits up to block_ms for entries after
+        its position and returns them with the lease checked after they were read
+        (calls.fenced_wait_commands), in one round trip; [] when nothing came."""
+        lease = reader.lease
+        commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)
+        replies = self._exchange(commands[1][1], commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        result = calls.wait_read_reply(replies)
+        if result.lease_value != lease.value:
+            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
+        return decode_entries(lease.topic, lease.partition, result.entries)
+
     def commit(self, lease: Lease, commit: Commit) -> None:
         self._scripts.run(calls.commit_position(self._keys, lease, commit))
-
-    def wait_for_entries(self, tp: TopicPartition, after: str, block_ms: int) -> None:
-        """XREAD BLOCK from `after`: returns when something is appended (the next fenced read
-        takes it), or after block_ms."""
-        self._client.xread(
-            {self._keys.log(*tp): after or "$"}, count=1, block=max(10, int(block_ms))
-        )
 
     def load_parked(self, reader: OrderlyPartition) -> None:
         """The parked keys and the messages held behind them (policy park_key)."""

@@ -105,6 +105,7 @@ class Worker(threading.Thread):
         batch = self.settings.batch_size
         interval = consumer._ack_interval_s
         next_parked_check = 0.0
+        caught_up = False
         while self._may_handle():
             if self._paused():
                 self._commit_if_due(reader, interval)
@@ -120,33 +121,37 @@ class Worker(threading.Thread):
                     for message in self.io.fetch_offsets(self.tp, free):
                         self._handle_one(reader, message, lane=False)
                     continue
+            # Caught up (the last read was not a full batch): commit what was handled, then
+            # wait for entries and read them in one round trip, no longer than the lease allows.
+            block_ms = self._block_ms(reader) if caught_up else 0
             try:
-                read = self.io.read_range(reader, batch)
+                if block_ms > 0:
+                    self._commit_if_due(reader, 0.0)
+                    read = self.io.read_waiting(reader, batch, block_ms)
+                else:
+                    read = self.io.read_range(reader, batch)
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; reading again", consumer.name, *self.tp, exc)
                 time.sleep(0.2)
                 continue
+            caught_up = len(read) < batch
             with consumer._lock:
                 messages = reader.admit(read, time.monotonic())
             if messages:
                 try:
                     self._handle_batch(reader, messages)
                 except _Retry:
+                    caught_up = False
                     continue
-            elif not read:
-                self._commit_if_due(reader, 0.0)
-                self._wait(reader)
             self._commit_if_due(reader, interval)
 
-    def _wait(self, reader: OrderlyPartition) -> None:
+    def _block_ms(self, reader: OrderlyPartition) -> int:
+        """How long a caught-up read may wait for entries (0: do not wait): block_ms, no later
+        than the partition's handling limit (the lease)."""
+        if reader.inclusive or not reader.read_from:
+            return 0  # XREAD reads only after an ID: a read from an offset goes by range
         limit = self.consumer.ownership.handling_limit(self.tp)
-        block_ms = min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
-        if block_ms <= 0:
-            return
-        try:
-            self.io.wait_for_entries(self.tp, reader.read_from, block_ms)
-        except _NETWORK_ERRORS:
-            time.sleep(0.2)
+        return min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
 
     def _commit_if_due(self, reader: OrderlyPartition, interval: float) -> None:
         if reader.commit_due(time.monotonic(), interval):

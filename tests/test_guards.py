@@ -110,6 +110,67 @@ def test_member_whose_lease_moved_reads_nothing_of_that_partition(broker: redisq
             b.close()
 
 
+def test_waiting_read_returns_nothing_once_the_lease_moved_while_it_waited(
+    broker: redisq.Broker,
+) -> None:
+    """A caught-up owner waits for entries and reads them in one round trip (XREAD BLOCK, then
+    GET of the lease: PartitionIO.read_waiting). Its lease goes to B while it waits, and the
+    entry appended then wakes it: the read raises LeaseLost and hands on nothing, while B,
+    waiting in the same way, gets the entry.
+
+    Mutant: without the lease comparison of read_waiting, A's read returns message 2."""
+    from redisq.dispatch import OrderlyPartition
+    from redisq.partition import PartitionIO
+    from redisq.policies import Backoff, make_policy
+    from redisq.settings import ConsumerSettings
+
+    broker.create_topic("t", partitions=1)
+    send(broker, "t", range(0, 2))
+
+    def member(name: str) -> GroupMembership:
+        m = GroupMembership(
+            broker, "t", "g", name, mode="orderly", start="earliest", policy="dead_letter",
+            lease_ttl_ms=600_000, session_timeout_ms=600_000,
+        )  # fmt: skip
+        m.join()
+        return m
+
+    def reader_of(membership: GroupMembership) -> tuple[PartitionIO, OrderlyPartition]:
+        grant = membership.acquire_lease(0)
+        assert grant is not None
+        settings = ConsumerSettings.from_options({})
+        io = PartitionIO(
+            broker, "g", membership.member, settings, make_policy("block", 5, Backoff())
+        )
+        reader = OrderlyPartition(grant)
+        reader.admit(io.read_range(reader, 10), time.monotonic())  # caught up: 0 and 1 read
+        return io, reader
+
+    a, b = member("a"), member("b")
+    io_a, reader_a = reader_of(a)
+    outcome: dict[str, Any] = {}
+
+    def wait(name: str, io: PartitionIO, reader: OrderlyPartition) -> None:
+        try:
+            outcome[name] = [m.value for m in io.read_waiting(reader, 10, 10_000)]
+        except LeaseLost as exc:
+            outcome[name] = exc
+
+    waiting_a = threading.Thread(target=wait, args=("a", io_a, reader_a))
+    waiting_a.start()
+    time.sleep(0.3)  # A is blocked in XREAD
+    assert broker.client.delete(broker.keys.lease("t", 0, "g")) == 1  # A's lease expired
+    io_b, reader_b = reader_of(b)
+    waiting_b = threading.Thread(target=wait, args=("b", io_b, reader_b))
+    waiting_b.start()
+    time.sleep(0.3)
+    send(broker, "t", range(2, 3))
+    waiting_a.join(10)
+    waiting_b.join(10)
+    assert isinstance(outcome.get("a"), LeaseLost), outcome.get("a")
+    assert outcome.get("b") == [b"2"]
+
+
 def test_stale_member_acks_are_refused_and_the_new_owner_redelivers(
     broker: redisq.Broker,
 ) -> None:

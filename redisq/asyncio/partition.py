@@ -106,13 +106,23 @@ class AsyncPartitionIO:
             raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
         return decode_entries(lease.topic, lease.partition, result.entries)
 
+    async def read_waiting(
+        self, reader: OrderlyPartition, count: int, block_ms: int
+    ) -> list[Message]:
+        """See redisq.partition.PartitionIO.read_waiting."""
+        lease = reader.lease
+        commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)
+        replies = await self._exchange(commands[1][1], commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        result = calls.wait_read_reply(replies)
+        if result.lease_value != lease.value:
+            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
+        return decode_entries(lease.topic, lease.partition, result.entries)
+
     async def commit(self, lease: Lease, commit: Commit) -> None:
         await self.broker.scripts.run(calls.commit_position(self._keys, lease, commit))
-
-    async def wait_for_entries(self, tp: TopicPartition, after: str, block_ms: int) -> None:
-        await self._client.xread(
-            {self._keys.log(*tp): after or "$"}, count=1, block=max(10, int(block_ms))
-        )
 
     async def load_parked(self, reader: OrderlyPartition) -> None:
         if self.policy.name != "park_key" and not reader.held:

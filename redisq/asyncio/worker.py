@@ -95,6 +95,8 @@ class _Handling:
         consumer = self.consumer
         interval = consumer._ack_interval_s
         next_parked_check = 0.0
+        batch = self.settings.batch_size
+        caught_up = False
         while self.may_handle():
             owned = consumer.ownership.owned.get(self.tp)
             if owned is not None and owned.paused:
@@ -109,28 +111,36 @@ class _Handling:
                     for message in await self.io.fetch_offsets(self.tp, free):
                         await self.handle_one(reader, message, lane=False)
                     continue
+            # Caught up (the last read was not a full batch): commit what was handled, then
+            # wait for entries and read them in one round trip, no longer than the lease allows.
+            block_ms = self.block_ms(reader) if caught_up else 0
             try:
-                read = await self.io.read_range(reader, self.settings.batch_size)
+                if block_ms > 0:
+                    await self.commit_if_due(reader, 0.0)
+                    read = await self.io.read_waiting(reader, batch, block_ms)
+                else:
+                    read = await self.io.read_range(reader, batch)
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; reading again", consumer.name, *self.tp, exc)
                 await asyncio.sleep(0.2)
                 continue
+            caught_up = len(read) < batch
             messages = reader.admit(read, time.monotonic())
             if messages:
                 try:
                     await self.handle_batch(reader, messages)
                 except _Retry:
+                    caught_up = False
                     continue
-            elif not read:
-                await self.commit_if_due(reader, 0.0)
-                limit = consumer.ownership.handling_limit(self.tp)
-                block_ms = min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
-                if block_ms > 0:
-                    try:
-                        await self.io.wait_for_entries(self.tp, reader.read_from, block_ms)
-                    except _NETWORK_ERRORS:
-                        await asyncio.sleep(0.2)
             await self.commit_if_due(reader, interval)
+
+    def block_ms(self, reader: OrderlyPartition) -> int:
+        """How long a caught-up read may wait for entries (0: do not wait): block_ms, no later
+        than the partition's handling limit (the lease)."""
+        if reader.inclusive or not reader.read_from:
+            return 0  # XREAD reads only after an ID: a read from an offset goes by range
+        limit = self.consumer.ownership.handling_limit(self.tp)
+        return min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
 
     async def commit_if_due(self, reader: OrderlyPartition, interval: float) -> None:
         if reader.commit_due(time.monotonic(), interval):

@@ -245,6 +245,37 @@ def range_read_reply(replies: Sequence[Any]) -> RangeRead:
     return RangeRead(None if value is None else text(value), entries or [])
 
 
+def fenced_wait_commands(
+    keys: KeySpace, lease: Lease, after: str, count: int, block_ms: int
+) -> list[tuple[Any, ...]]:
+    """An orderly owner's read once it has caught up: XREAD BLOCK after its position, then GET
+    of the lease, in one write on the partition's node. Redis runs the GET when the XREAD
+    returns, and a lease granted again carries a new fencing token, so a value equal to the
+    reader's own means the lease was held all the while the entries were read: the guarantee of
+    fenced_range_commands, in one round trip where waiting for entries and then reading them by
+    range takes two. block_ms >= 1 (0 would block for ever)."""
+    if block_ms < 1:
+        raise ValueError(f"block_ms={block_ms}: at least 1")
+    stream = keys.log(lease.topic, lease.partition)
+    return [
+        ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, after),
+        ("GET", keys.lease(lease.topic, lease.partition, lease.group)),
+    ]
+
+
+def wait_read_reply(replies: Sequence[Any]) -> RangeRead:
+    """The reply to fenced_wait_commands: XREAD's entries (none when it timed out; a RESP2
+    list or a RESP3 map of the one stream) and the lease value read after them."""
+    read, value = replies
+    if not read:
+        entries: list[Any] = []
+    elif isinstance(read, dict):
+        entries = next(iter(read.values())) or []
+    else:
+        entries = read[0][1] or []
+    return RangeRead(None if value is None else text(value), entries)
+
+
 @dataclass(slots=True)
 class Commit:
     """What an orderly owner commits on a partition (commit_position.lua)."""
