@@ -1,34 +1,58 @@
 """Consume throughput and latency, side by side in one run, against raw redis-py XREADGROUP.
 
-    python benchmarks/consume.py [--url URL] [--messages N] [--repeat R] [--markdown]
+    python benchmarks/consume.py [--url URL] [--messages N] [--repeat R] [--rates 1000,50000]
+                                 [--markdown]
 
 One topic of 8 partitions holds N messages (100-byte payloads, keys "key-<i % 1000>"). Each
 variant reads all of it with a fresh group, in one process, with a no-op handler:
-  raw          redis-py XREADGROUP COUNT 1000 + XACK per batch, the partitions in turn
-  orderly      redisq orderly consumer: leases, fenced ack+read script, a thread per partition
-  concurrent   redisq concurrent consumer: XACK + XREADGROUP pipelined, a thread per partition
-Each runs R times, interleaved; the median counts; the ratio is to raw of the same run.
+  raw             redis-py XREADGROUP COUNT 1000 + XACK per batch, the partitions in turn
+  orderly         redisq orderly consumer, run(handler): leases, fenced range reads, the
+                  position committed every ack_interval_ms, a thread per partition
+  concurrent      redisq concurrent consumer, run(handler): XACK + XREADGROUP pipelined, a
+                  thread per partition
+  poll + ack      orderly, poll(max_messages=1000) in the caller's thread, then ack(batch), or
+                  ack(message) for each message (each ack moves the position; the commit is
+                  coalesced, within ack_interval_ms)
+  asyncio         the same run() rows on redisq.asyncio with an async no-op handler (a plain
+                  function handler runs in a worker thread per call: use a coroutine function)
+Each runs R times, interleaved; the median counts; the ratio is to raw of the same run, and
+ack(message) is also shown against ack(batch).
 
-Latency: a producer sends at --rate msg/s (default 1,000) for --seconds while a consumer runs;
-each handler call records now - send time (the value carries it). p50/p99 in ms.
+Latency: for each rate in --rates, a producer (idempotence="sequence", linger_ms=0) sends
+rate msg/s for --seconds while a consumer runs; each handler call records now - send time (the
+value carries it). p50/p99 in ms. The producer sends what is due every millisecond (a sleep per
+message cannot pace 50,000 msg/s).
 Without --url or REDIS_URL it uses the embedded valkey-server.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 import redis
 from report import print_table, ratio_rows, run_rounds
 
 import redisq
+import redisq.asyncio as redisq_asyncio
+from redisq.group import delete_group
 
 PARTITIONS = 8
 PAYLOAD = b"x" * 100
+RAW = "raw XREADGROUP COUNT 1000 + XACK per batch"
+ORDERLY = "redisq orderly, run(handler)"
+CONCURRENT = "redisq concurrent, run(handler)"
+POLL_BATCH = "redisq orderly, poll(1000) + ack(batch)"
+POLL_EACH = "redisq orderly, poll(1000) + ack(message) each"
+ASYNC_ORDERLY = "redisq.asyncio orderly, run(async handler)"
+ASYNC_CONCURRENT = "redisq.asyncio concurrent, run(async handler)"
+GOALS = {ORDERLY: ">= 1.5x", CONCURRENT: ">= 0.8x", ASYNC_ORDERLY: ">= 1.5x"}
 
 
 def fill(broker: redisq.Broker, topic: str, n: int) -> None:
@@ -65,34 +89,81 @@ def run_raw(broker: redisq.Broker, topic: str, n: int) -> float:
     return n / elapsed
 
 
+def wait_for_assignment(consumer: Any) -> None:
+    """Let the member take its leases first: the benchmark measures reading, not joining."""
+    deadline = time.monotonic() + 10
+    while len(consumer.assignment) < PARTITIONS and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def run_redisq(broker: redisq.Broker, topic: str, n: int, mode: str) -> float:
     group = f"{mode}-{uuid.uuid4().hex[:6]}"
-    count = [0]
+    counter = itertools.count(1)  # next() is atomic under the GIL: handlers run in threads
     done = threading.Event()
     finished_at = [0.0]
 
     def noop(message: redisq.Message) -> None:
-        count[0] += 1  # the GIL makes this safe enough for a benchmark counter
-        if count[0] >= n and not done.is_set():
+        if next(counter) == n:
             finished_at[0] = time.perf_counter()
             done.set()
 
     consumer = broker.consumer(topic, group, mode=mode, batch_size=1000)
-    # Let the member take its leases first: the benchmark measures reading, not joining.
-    deadline = time.monotonic() + 10
-    while len(consumer.assignment) < PARTITIONS and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_assignment(consumer)
     runner = threading.Thread(target=consumer.run, args=(noop,), daemon=True)
     start = time.perf_counter()
     runner.start()
     if not done.wait(300):
-        raise SystemExit(f"{mode}: handled {count[0]} of {n}")
+        raise SystemExit(f"{mode}: not every message was handled")
     consumer.close()
     runner.join(30)
-    from redisq.group import delete_group
-
     delete_group(broker, topic, group)
     return n / (finished_at[0] - start)
+
+
+def run_poll(broker: redisq.Broker, topic: str, n: int, each: bool) -> float:
+    group = f"poll-{uuid.uuid4().hex[:6]}"
+    got = 0
+    with broker.consumer(topic, group, mode="orderly", batch_size=1000) as consumer:
+        wait_for_assignment(consumer)
+        start = time.perf_counter()
+        deadline = time.monotonic() + 300
+        while got < n and time.monotonic() < deadline:
+            messages = consumer.poll(timeout=1.0, max_messages=1000)
+            if each:
+                for message in messages:
+                    consumer.ack(message)
+            elif messages:
+                consumer.ack(messages)
+            got += len(messages)
+        elapsed = time.perf_counter() - start
+    delete_group(broker, topic, group)
+    if got != n:
+        raise SystemExit(f"poll: read {got} of {n}")
+    return n / elapsed
+
+
+def run_asyncio(url: str | None, namespace: str, topic: str, n: int, mode: str) -> float:
+    async def main() -> float:
+        broker = await redisq_asyncio.connect(url, namespace=namespace)
+        counter = itertools.count(1)
+        finished_at = [0.0]
+
+        async def noop(message: redisq.Message) -> None:
+            if next(counter) == n:
+                finished_at[0] = time.perf_counter()
+
+        try:
+            group = f"aio-{mode}-{uuid.uuid4().hex[:6]}"
+            consumer = broker.consumer(topic, group, mode=mode, batch_size=1000)
+            start = time.perf_counter()
+            await consumer.run(noop, idle_timeout=2.0)
+            if not finished_at[0]:
+                raise SystemExit(f"asyncio {mode}: not every message was handled")
+            return n / (finished_at[0] - start)
+        finally:
+            await broker.close()
+
+    return asyncio.run(main())
 
 
 def run_latency(broker: redisq.Broker, mode: str, rate: int, seconds: float) -> tuple[float, float]:
@@ -110,18 +181,17 @@ def run_latency(broker: redisq.Broker, mode: str, rate: int, seconds: float) -> 
     consumer = broker.consumer(topic, "lat", mode=mode, start="latest")
     runner = threading.Thread(target=consumer.run, args=(handler,), daemon=True)
     runner.start()
-    deadline = time.monotonic() + 10
-    while len(consumer.assignment) < PARTITIONS and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_assignment(consumer)
     total = int(rate * seconds)
     with broker.producer(idempotence="sequence", linger_ms=0) as producer:
         start = time.perf_counter()
-        for i in range(total):
-            target = start + i / rate
-            delay = target - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            producer.send_async(topic, repr(time.time()), key=b"key-%d" % (i % 1000))
+        sent = 0
+        while sent < total:
+            due = min(total, int((time.perf_counter() - start) * rate) + 1)
+            while sent < due:
+                producer.send_async(topic, repr(time.time()), key=b"key-%d" % (sent % 1000))
+                sent += 1
+            time.sleep(0.001)
         producer.flush()
     wait_until = time.monotonic() + 30
     while len(latencies) < total and time.monotonic() < wait_until:
@@ -130,8 +200,8 @@ def run_latency(broker: redisq.Broker, mode: str, rate: int, seconds: float) -> 
     runner.join(30)
     broker.delete_topic(topic)
     ordered = sorted(latencies)
-    if not ordered:
-        raise SystemExit(f"latency {mode}: nothing handled")
+    if len(ordered) != total:
+        raise SystemExit(f"latency {mode}: handled {len(ordered)} of {total}")
     p50 = ordered[len(ordered) // 2] * 1000
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000
     return p50, p99
@@ -142,47 +212,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None)
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--rate", type=int, default=1000, help="latency test: msg/s")
+    parser.add_argument("--rates", default="1000,50000", help="latency tests: msg/s, comma list")
     parser.add_argument("--seconds", type=float, default=5.0, help="latency test: duration")
+    parser.add_argument("--no-asyncio", action="store_true", help="leave out the asyncio rows")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
 
     broker = redisq.connect(args.url, namespace=f"bench-{uuid.uuid4().hex[:6]}")
+    url = args.url  # None: the asyncio rows find the same embedded server
     topic = f"bench-{uuid.uuid4().hex[:6]}"
     print(f"filling {args.messages:,} messages into {PARTITIONS} partitions...", file=sys.stderr)
     fill(broker, topic, args.messages)
-    raw_name = "raw XREADGROUP COUNT 1000 + XACK per batch"
+    n = args.messages
     variants = {
-        raw_name: lambda: run_raw(broker, topic, args.messages),
-        "redisq orderly (no-op handler)": lambda: run_redisq(
-            broker, topic, args.messages, "orderly"
-        ),
-        "redisq concurrent (no-op handler)": lambda: run_redisq(
-            broker, topic, args.messages, "concurrent"
-        ),
+        RAW: lambda: run_raw(broker, topic, n),
+        ORDERLY: lambda: run_redisq(broker, topic, n, "orderly"),
+        CONCURRENT: lambda: run_redisq(broker, topic, n, "concurrent"),
+        POLL_BATCH: lambda: run_poll(broker, topic, n, each=False),
+        POLL_EACH: lambda: run_poll(broker, topic, n, each=True),
     }
-    goals = {raw_name: "", "redisq orderly (no-op handler)": ">= 0.6x",
-             "redisq concurrent (no-op handler)": ">= 0.8x"}  # fmt: skip
+    if not args.no_asyncio:
+        variants[ASYNC_ORDERLY] = lambda: run_asyncio(url, broker.namespace, topic, n, "orderly")
+        variants[ASYNC_CONCURRENT] = lambda: run_asyncio(
+            url, broker.namespace, topic, n, "concurrent"
+        )
     medians = run_rounds(variants, args.repeat)
+    rates = [int(r) for r in args.rates.split(",") if r]
     latency = {}
-    for mode in ("orderly", "concurrent"):
-        latency[mode] = run_latency(broker, mode, args.rate, args.seconds)
-        print(f"  latency {mode}: p50 {latency[mode][0]:.2f} ms, p99 {latency[mode][1]:.2f} ms",
-              file=sys.stderr)  # fmt: skip
+    for rate in rates:
+        for mode in ("orderly", "concurrent"):
+            latency[rate, mode] = run_latency(broker, mode, rate, args.seconds)
+            p50, p99 = latency[rate, mode]
+            print(f"  latency {mode} at {rate:,} msg/s: p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+                  file=sys.stderr)  # fmt: skip
     broker.delete_topic(topic)
 
     print(
         f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
         f"one process, median of {args.repeat}"
     )
+    print_table(["variant", "msg/s", "ratio to raw", "goal"], ratio_rows(medians, RAW, GOALS),
+                args.markdown)  # fmt: skip
+    each, batch = medians[POLL_EACH], medians[POLL_BATCH]
     print_table(
-        ["variant", "msg/s", "ratio to raw", "goal"],
-        ratio_rows(medians, raw_name, goals),
+        ["ack one at a time", "msg/s", "ratio to ack(batch)", "goal"],
+        [[POLL_EACH, f"{each:,.0f}", f"{each / batch:.2f}x", ">= 0.5x"]],
         args.markdown,
     )
+    goals = {1000: 5.0, 50_000: 20.0}
     print_table(
-        [f"end-to-end latency at {args.rate:,} msg/s", "p50", "p99"],
-        [[mode, f"{p50:.2f} ms", f"{p99:.2f} ms"] for mode, (p50, p99) in latency.items()],
+        ["end-to-end latency (send -> handler)", "p50", "p99", "goal p99"],
+        [
+            [
+                f"{mode} at {rate:,} msg/s",
+                f"{p50:.2f} ms",
+                f"{p99:.2f} ms",
+                f"<= {goals[rate]:g} ms" if rate in goals else "",
+            ]
+            for (rate, mode), (p50, p99) in latency.items()
+        ],  # fmt: skip
         args.markdown,
     )
     for key in broker.client.scan_iter(match=broker.keys.pattern(), count=1000):

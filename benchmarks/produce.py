@@ -1,17 +1,21 @@
 """Produce throughput, side by side in one run, against raw redis-py pipelined XADD.
 
-    python benchmarks/produce.py [--url URL] [--messages N] [--repeat R] [--markdown]
+    python benchmarks/produce.py [--url URL] [--messages N] [--repeat R] [--no-asyncio]
+                                 [--markdown]
 
 Every variant writes the same messages (100-byte payloads, keys "key-<i % 1000>", 4 partitions)
 to the same server; each runs R times, interleaved, and the median counts. The ratio column is
 msg/s divided by the raw pipelined XADD baseline of the same run (the same keyed messages, routed
-by the same CRC-32); a value-only XADD row is shown for context. Without --url or REDIS_URL it
-uses the embedded valkey-server.
+by the same CRC-32); a value-only XADD row is shown for context. The redisq rows send with
+send_async and then flush(); message_id rows give each message an explicit id ("m-<i>"). The
+redisq.asyncio rows do the same on the asyncio producer (send_async returns an asyncio.Future
+per message). Without --url or REDIS_URL it uses the embedded valkey-server.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import time
@@ -22,6 +26,7 @@ import redis
 from report import print_table, ratio_rows, run_rounds
 
 import redisq
+import redisq.asyncio as redisq_asyncio
 
 PARTITIONS = 4
 PAYLOAD = b"x" * 100
@@ -62,15 +67,24 @@ def run_raw_value_only(client: redis.Redis, namespace: str, n: int) -> float:
     return n / elapsed
 
 
+def ids_for(n: int) -> list[bytes]:
+    return [b"m-%d" % i for i in range(n)]
+
+
 def run_redisq(broker: redisq.Broker, idempotence: str | None, n: int) -> float:
     topic = f"bench-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, partitions=PARTITIONS)
     keys = keys_for(n)
+    ids = ids_for(n)
     with broker.producer(idempotence=idempotence) as producer:
         start = time.perf_counter()
         send = producer.send_async
-        for key in keys:
-            send(topic, PAYLOAD, key=key)
+        if idempotence == "message_id":
+            for key, message_id in zip(keys, ids, strict=True):
+                send(topic, PAYLOAD, key=key, message_id=message_id)
+        else:
+            for key in keys:
+                send(topic, PAYLOAD, key=key)
         producer.flush()
         elapsed = time.perf_counter() - start
     total = broker.describe_topic(topic).total_messages
@@ -80,11 +94,45 @@ def run_redisq(broker: redisq.Broker, idempotence: str | None, n: int) -> float:
     return n / elapsed
 
 
+def run_asyncio(url: str | None, namespace: str, idempotence: str, n: int) -> float:
+    """The asyncio producer: send_async per message (a future each), then flush()."""
+
+    async def main() -> float:
+        broker = await redisq_asyncio.connect(url, namespace=namespace)
+        topic = f"bench-{uuid.uuid4().hex[:8]}"
+        keys = keys_for(n)
+        ids = ids_for(n)
+        try:
+            await broker.create_topic(topic, partitions=PARTITIONS)
+            async with broker.producer(idempotence=idempotence) as producer:
+                await producer.send(topic, PAYLOAD, key=b"warm-up")  # identity, metadata
+                start = time.perf_counter()
+                send = producer.send_async
+                if idempotence == "message_id":
+                    for key, message_id in zip(keys, ids, strict=True):
+                        send(topic, PAYLOAD, key=key, message_id=message_id)
+                else:
+                    for key in keys:
+                        send(topic, PAYLOAD, key=key)
+                await producer.flush()
+                elapsed = time.perf_counter() - start
+            total = (await broker.describe_topic(topic)).total_messages
+            await broker.delete_topic(topic)
+        finally:
+            await broker.close()
+        if total != n + 1:
+            raise SystemExit(f"asyncio {idempotence}: wrote {total} messages, expected {n + 1}")
+        return n / elapsed
+
+    return asyncio.run(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None)
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-asyncio", action="store_true", help="leave out the asyncio rows")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args(argv)
 
@@ -101,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         'redisq idempotence="message_id"': lambda: run_redisq(broker, "message_id", args.messages),
         "redisq idempotence=None": lambda: run_redisq(broker, None, args.messages),
     }
+    if not args.no_asyncio:
+        for mode in ("sequence", "message_id"):
+            variants[f'redisq.asyncio idempotence="{mode}"'] = lambda mode=mode: run_asyncio(
+                args.url, broker.namespace, mode, args.messages
+            )
     medians = run_rounds(variants, args.repeat)
     print(
         f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
