@@ -171,9 +171,14 @@ class Worker(threading.Thread):
         """Messages in order, the common case in a few steps each: a well-formed message, no
         parked keys, a handler that succeeds at its first attempt. Anything else takes
         _handle_one's path (a failure goes on from its first attempt there), with the same
-        checks in the same order."""
+        checks in the same order.
+
+        Orderly, the position moves over a run of such messages once, under the consumer's
+        lock, when the run ends (before anything else is handled, and however the batch ends):
+        taking the lock per message made the partitions' threads queue on it. The worker
+        commits between batches, so it commits all it handled, as before; a commit() from
+        another thread in the middle of a batch commits up to the last run."""
         consumer = self.consumer
-        lock = consumer._lock
         ownership = consumer.ownership
         stopping = consumer._stopping
         stats = consumer.stats
@@ -182,38 +187,55 @@ class Worker(threading.Thread):
         tp = self.tp
         monotonic = time.monotonic
         pending_acks = self._pending_acks
-        for message in messages:
-            if message.__class__ is not Message or (reader is not None and reader.parked):
-                self._handle_one(reader, message, lane=False)
-                continue
-            # Read without the lock: the coordinator replaces the ownership's fields whole, so
-            # this sees the state just before or just after a change (the lock adds nothing to
-            # a check that can be outdated the moment it returns); the lease deadline is what
-            # bounds it, and a lost lease fences the commit anyway.
-            if reader is not None:
-                if not ownership.may_handle(tp, monotonic()):
+        run: list[Message] = []  # orderly: handled, the position not moved over them yet
+        try:
+            for message in messages:
+                if message.__class__ is not Message or (
+                    reader is not None
+                    and (reader.parked or (reader.held and message.offset in reader.held))
+                ):
+                    if run and reader is not None:
+                        self._advance(reader, run)
+                    self._handle_one(reader, message, lane=False)
+                    continue
+                # Read without the lock: the coordinator replaces the ownership's fields whole,
+                # so this sees the state just before or just after a change (the lock adds
+                # nothing to a check that can be outdated the moment it returns); the lease
+                # deadline is what bounds it, and a lost lease fences the commit anyway.
+                if reader is not None:
+                    if not ownership.may_handle(tp, monotonic()):
+                        raise _Stop
+                elif stopping.is_set() or tp not in ownership.owned:
                     raise _Stop
-            elif stopping.is_set() or tp not in ownership.owned:
-                raise _Stop
-            stats.consumed += 1
-            try:
-                handler(message if plain else consumer._deserialize(message))
-            except _Stop:
-                raise
-            except Exception as error:
-                self._failed(message, error)
-                self._attempts(reader, message, lane=False, failure=error)
-                continue
-            now = monotonic()
-            stats.handled += 1  # consumer.note_handled(1), inlined
-            consumer._last_handled = now
-            if reader is None:  # concurrent: XACK with the next read
-                if not pending_acks:
+                stats.consumed += 1
+                try:
+                    handler(message if plain else consumer._deserialize(message))
+                except _Stop:
+                    raise
+                except Exception as error:
+                    if run and reader is not None:
+                        self._advance(reader, run)
+                    self._failed(message, error)
+                    self._attempts(reader, message, lane=False, failure=error)
+                    continue
+                now = monotonic()
+                stats.handled += 1  # consumer.note_handled(1), inlined
+                consumer._last_handled = now
+                if reader is not None:
+                    run.append(message)
+                    continue
+                if not pending_acks:  # concurrent: XACK with the next read
                     self._ack_since = now
                 pending_acks.append(message.offset)
-                continue
-            with lock:
-                reader.handled(message, now)
+        finally:
+            if run and reader is not None:
+                self._advance(reader, run)
+
+    def _advance(self, reader: OrderlyPartition, run: list[Message]) -> None:
+        """The position moves over a run of handled messages (in offset order)."""
+        with self.consumer._lock:
+            reader.handled_through(run[-1].offset, len(run), time.monotonic())
+        run.clear()
 
     def _handle_in_lanes(self, reader: OrderlyPartition, messages: list[Message]) -> None:
         """Each lane takes its keys in order; the position moves once the whole batch is
