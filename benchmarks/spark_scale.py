@@ -5,7 +5,7 @@ with a single Python process (XRANGE scan; the redisq producer).
                                      [--fetch-count 10000] [--markdown]
 
 One topic of N messages (default 1,000,000; 100-byte values, keys "key-<i % 1000>") over 16
-partitions. Variants:
+partitions, on --url or REDIS_URL, else on a throwaway valkey-server of its own. Variants:
 
   python xrange      one process scans every partition with XRANGE COUNT 10000 (the baseline)
   python produce     one process writes the N rows with the redisq producer (write baseline)
@@ -136,8 +136,13 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     namespace = f"bench{uuid.uuid4().hex[:6]}"
-    broker = redisq.connect(args.url, namespace=namespace)
-    url = args.url or broker_url(broker)
+    server = None
+    if args.url is None:  # a throwaway server of its own: millions of messages, then gone
+        from tests.servers import ServerProcess
+
+        server = ServerProcess().start()
+    url = args.url or server.url  # type: ignore[union-attr]
+    broker = redisq.connect(url, namespace=namespace)
     n = args.messages
     rows: list[tuple[str, float, int, int]] = []
     try:
@@ -180,15 +185,14 @@ def main() -> None:
             finally:
                 cluster.stop()
     finally:
-        for key in broker.client.scan_iter(match=f"{namespace}:*", count=1000):
-            broker.client.delete(key)
-        broker.close()
+        if server is not None:
+            broker.close()
+            server.stop()
+        else:
+            for key in broker.client.scan_iter(match=f"{namespace}:*", count=1000):
+                broker.client.delete(key)
+            broker.close()
     report(rows, n, args.markdown)
-
-
-def broker_url(broker: redisq.Broker) -> str:
-    kwargs = broker.client.connection_pool.connection_kwargs
-    return f"redis://{kwargs['host']}:{kwargs['port']}/0"
 
 
 def report(rows: list[tuple[str, float, int, int]], n: int, markdown: bool) -> None:
