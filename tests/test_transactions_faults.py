@@ -475,6 +475,9 @@ CHECKER_POINTS = {
 }
 
 
+@pytest.mark.parametrize(  # a lease wait each: the one-node cluster adds nothing to the three
+    "backend", ["valkey", "redis", pytest.param("valkey-cluster3", marks=pytest.mark.cluster)]
+)
 def test_check_back_killed(broker: redisq.Broker, server_url: str) -> None:
     """A's local transaction answered UNKNOWN, so A's check-back asks A's check; A dies in
     the check, or right after the check-back's decision (commit, or giving up). B takes the

@@ -456,6 +456,9 @@ class Child:
 
     def kill(self) -> None:
         if self.process.exitcode is None:
-            os.kill(self.pid, signal.SIGKILL)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it has just ended by itself
+                pass
         self.process.join(10)
         self.drain()
