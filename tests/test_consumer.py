@@ -292,6 +292,45 @@ def test_join_and_leave_rebalance_without_overlap(broker: redisq.Broker) -> None
         assert ns == sorted(ns)
 
 
+def test_partition_moving_in_the_middle_of_a_batch_is_handed_over_without_repeats(
+    broker: redisq.Broker,
+) -> None:
+    """run(): A is in the middle of a batch when B joins and takes the partition. A stops
+    between two messages, commits every message it handled (in that batch too) and releases
+    the lease, so B starts right after A's last one: on a clean hand-over nothing is handled
+    twice.
+
+    Mutant: the worker not moving the position over what it handled in a batch it leaves
+    early (worker._handle_plain without its finally): B handles them again."""
+    broker.create_topic("t", partitions=1)
+    with broker.producer() as producer:
+        for i in range(300):
+            producer.send_async("t", b"%d" % i)
+    seen: list[tuple[str, int]] = []
+
+    def handler(name: str) -> Callable[[redisq.Message], None]:
+        def handle(message: redisq.Message) -> None:
+            seen.append((name, int(message.value)))
+            time.sleep(0.005)  # a batch of 300 takes 1.5 s: B joins in the middle of it
+
+        return handle
+
+    a = broker.consumer("t", "g", "z-a", batch_size=300, **FAST)
+    ta = run_in_thread(a, handler("a"))
+    wait_until(lambda: len(seen) >= 30, what="A in the middle of its batch")
+    b = broker.consumer("t", "g", "b", batch_size=300, **FAST)  # sorts first: takes partition 0
+    tb = run_in_thread(b, handler("b"))
+    wait_until(lambda: len({n for _, n in seen}) == 300, what="every message handled")
+    a.close()
+    b.close()
+    ta.join(10)
+    tb.join(10)
+    by_a = [n for name, n in seen if name == "a"]
+    by_b = [n for name, n in seen if name == "b"]
+    assert by_a and by_b and len(by_a) < 300, "precondition: the partition moved mid-batch"
+    assert by_a + by_b == list(range(300))  # in order, each once
+
+
 def test_crashed_member_pending_entries_go_first(broker: redisq.Broker) -> None:
     broker.create_topic("orders", partitions=1)
     produce(broker, "orders", keys=1, per_key=6)
