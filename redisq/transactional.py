@@ -21,7 +21,7 @@ import redis
 
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
-from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionAborted
+from redisq.errors import InvalidConfig, ProducerClosed, RedisqError
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -36,6 +36,7 @@ from redisq.transactions import (
     TxMessage,
     TxState,
     Writer,
+    ends_on_refusal,
     half_message,
     messages_of,
     new_transaction_id,
@@ -145,7 +146,8 @@ class Transaction:
             config, value, key, headers, message_id, partition, timestamp_ms
         )
         if core.add(config, encoded):
-            self._stage()
+            with ends_on_refusal(self):
+                self._stage()
 
     def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (consume-transform-
@@ -159,22 +161,19 @@ class Transaction:
         (its timeout passed, a newer instance started, an input partition moved)."""
         core = self._core
         core.check_open()
-        self._stage()
-        keys, writer, staged, inputs = (
-            self._tx.keys,
-            self._writer,
-            core.staging.staged,
-            core.inputs(),
-        )
-        try:
+        with ends_on_refusal(self):
+            self._stage()
+            keys, writer, staged, inputs = (
+                self._tx.keys,
+                self._writer,
+                core.staging.staged,
+                core.inputs(),
+            )
             results = self._tx.run(
                 lambda: ops.commit(
                     keys, core.transaction_id, writer, staged, inputs, core.configs.get
                 )
             )
-        except TransactionAborted:
-            self._ended(False)
-            raise
         self._ended(True, results)
         return core.records
 
@@ -183,7 +182,8 @@ class Transaction:
         core = self._core
         core.check_open()
         keys, writer, positions = self._tx.keys, self._writer, core.positions()
-        self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
+        with ends_on_refusal(self):
+            self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
         self._ended(False)
 
     def _stage(self) -> None:

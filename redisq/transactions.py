@@ -4,14 +4,15 @@ messages into batches. The mechanism, as protocol operations, is in redisq.tx_op
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redisq.errors import TransactionAborted
+from redisq.errors import ProducerFenced, TransactionAborted, TransactionDecided
 from redisq.msgid import encode_ulid
 from redisq.protocol.group import Lease
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -255,3 +256,36 @@ def half_message(topic: str, encoded: Any) -> Staging:
     staging.add(topic, encoded.partition, encoded.layout, encoded.parts, encoded.size)
     staging.seal_all()
     return staging
+
+
+class Ending(Protocol):
+    """A driver's Transaction, as ends_on_refusal sees it."""
+
+    @property
+    def transaction_id(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+    def _ended(self, committed: bool) -> None: ...
+
+
+@contextlib.contextmanager
+def ends_on_refusal(transaction: Ending) -> Iterator[None]:
+    """Around a step of an open transaction (stage, commit, abort), either driver: a step Redis
+    refused for good ends the transaction as aborted (TransactionAborted: its timeout passed, an
+    input moved; a decision stored first by the sweeper, a check-back or recovery; ProducerFenced:
+    a newer instance settles it). A step that could not reach Redis leaves it open: commit() or
+    abort() may be called again, and the sweeper aborts it after its timeout otherwise."""
+    try:
+        yield
+    except TransactionDecided as exc:
+        if transaction.state == "open":
+            transaction._ended(False)
+        raise TransactionAborted(
+            f"transaction {transaction.transaction_id} is {exc.state}"
+        ) from None
+    except (TransactionAborted, ProducerFenced):
+        if transaction.state == "open":
+            transaction._ended(False)
+        raise

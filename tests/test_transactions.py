@@ -216,10 +216,14 @@ def _timed_out(broker: redisq.Broker, driver: Any, sent: int) -> None:
             tx.send("out", f"v{i}", key="k")
         assert staged_batches(broker, tx.transaction_id) == 1
         wait_until(lambda: tx_state(broker, tx.transaction_id) == "aborted", 15, "the sweeper")
-        with pytest.raises(redisq.RedisqError):
+        with pytest.raises(redisq.TransactionAborted):
             tx.commit()
+        assert tx.state == "aborted"  # ended: the producer may begin the next one
         nothing_visible(broker, "out")
         wait_until(lambda: registry(broker) == [], 15, "the sweeper to finish")
+        with producer.transaction() as tx2:
+            tx2.send("out", b"next", key="k")
+    assert values_of(broker, "out") == [b"next"]
 
 
 @STAGED
@@ -235,8 +239,9 @@ def test_zombie_instance_is_fenced(broker: redisq.Broker, driver: Any, sent: int
     assert staged_batches(broker, tx.transaction_id) == 1
     b = driver.producer("x", transactional=True)
     assert tx_state(broker, tx.transaction_id) == "aborted"  # B's start settled it
-    with pytest.raises(redisq.RedisqError):
+    with pytest.raises(redisq.TransactionAborted):
         tx.commit()
+    assert tx.state == "aborted"
     with pytest.raises(redisq.ProducerFenced):
         a.send("out", b"a-plain", key="k")
     with b.transaction() as tx_b:
@@ -260,6 +265,7 @@ def test_zombie_that_staged_nothing_is_fenced_at_commit(broker: redisq.Broker, d
     b = driver.producer("x", transactional=True)
     with pytest.raises(redisq.ProducerFenced):
         tx.commit()
+    assert tx.state == "aborted"
     nothing_visible(broker, "out")
     with b.transaction() as tx_b:
         tx_b.send("out", b"b1", key="k")
@@ -557,6 +563,54 @@ def test_async_local_and_check(broker: redisq.Broker, server_url: str) -> None:
     finally:
         drv.close()
     assert calls == ["local", "check"] and values_of(broker, "orders") == [b"async"]
+
+
+@pytest.mark.parametrize("backend", ["redis"])  # the client's own task handling
+def test_async_close_stops_a_check_that_swallows_cancellation(
+    broker: redisq.Broker, server_url: str
+) -> None:
+    """close() of an asyncio producer ends its background duties even when the check function
+    swallows the cancellation (a check in an await when close() comes): close returns, and no
+    check runs after it."""
+    import redisq.asyncio as rq
+
+    broker.create_topic("orders", partitions=2)
+    calls: list[float] = []
+
+    async def check(tx_id: str, messages: list[redisq.TxMessage]) -> redisq.TxState:
+        calls.append(time.monotonic())
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # swallowed: a careless check
+        return redisq.TxState.UNKNOWN
+
+    async def scenario() -> float:
+        async_broker = await rq.connect(server_url, namespace=broker.namespace)
+        try:
+            producer = async_broker.producer(transactional_group="svc", check=check, **CHECKS)
+            await producer.send_in_transaction(
+                "orders", b"unknown", local=lambda tx_id, messages: redisq.TxState.UNKNOWN
+            )
+            while not calls:  # the check-back is running (and awaiting)
+                await asyncio.sleep(0.05)
+            started = time.monotonic()
+            await producer.close()
+            closed = time.monotonic()
+            await asyncio.sleep(1)  # several check intervals: none may start now
+            assert [c for c in calls if c > closed] == []
+            return closed - started
+        finally:
+            await async_broker.close()
+
+    elapsed: list[float] = []
+    # Its own thread: a close() that never returns fails the test instead of hanging it.
+    runner = threading.Thread(target=lambda: elapsed.append(asyncio.run(scenario())), daemon=True)
+    runner.start()
+    runner.join(45)
+    assert not runner.is_alive(), "close() did not return"
+    assert elapsed and elapsed[0] < 10
+    nothing_visible(broker, "orders")
 
 
 # -- bad input ------------------------------------------------------------------------------------

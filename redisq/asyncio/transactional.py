@@ -24,7 +24,7 @@ import redis
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.asyncio.handle import AsyncBrokerHandle
-from redisq.errors import InvalidConfig, RedisqError, TransactionAborted
+from redisq.errors import InvalidConfig, RedisqError
 from redisq.protocol import Operation
 from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
@@ -38,6 +38,7 @@ from redisq.transactions import (
     TxConsumer,
     TxState,
     Writer,
+    ends_on_refusal,
     half_message,
     messages_of,
     new_transaction_id,
@@ -134,7 +135,8 @@ class Transaction:
             config, value, key, headers, message_id, partition, timestamp_ms
         )
         if core.add(config, encoded):
-            await self._stage()
+            with ends_on_refusal(self):
+                await self._stage()
 
     async def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (see
@@ -145,16 +147,13 @@ class Transaction:
     async def commit(self) -> tuple[RecordMetadata, ...]:
         core = self._core
         core.check_open()
-        await self._stage()
-        keys, tx_id, writer = self._tx.keys, core.transaction_id, await self._writer_now()
-        staged, inputs = core.staging.staged, core.inputs()
-        try:
+        with ends_on_refusal(self):
+            await self._stage()
+            keys, tx_id, writer = self._tx.keys, core.transaction_id, await self._writer_now()
+            staged, inputs = core.staging.staged, core.inputs()
             results = await self._tx.run(
                 lambda: ops.commit(keys, tx_id, writer, staged, inputs, core.configs.get)
             )
-        except TransactionAborted:
-            self._ended(False)
-            raise
         self._ended(True, results)
         return core.records
 
@@ -162,7 +161,8 @@ class Transaction:
         core = self._core
         core.check_open()
         keys, writer, positions = self._tx.keys, await self._writer_now(), core.positions()
-        await self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
+        with ends_on_refusal(self):
+            await self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
         self._ended(False)
 
     async def _stage(self) -> None:
@@ -188,6 +188,7 @@ class Transactions:
         self.settings = producer.settings
         self.current: Transaction | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self._token = secrets.token_hex(8)
 
     def writer(self) -> Writer:
@@ -278,20 +279,24 @@ class Transactions:
         self._task = asyncio.ensure_future(self._background())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        """Stop the background task: a flag it checks each round, and a cancellation, again
+        until it has ended (a check function or a wait_for() may swallow one cancellation)."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is None:
+            return
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("transactions: the background task failed: %r", task.exception())
 
     async def _background(self) -> None:
         tick = background_tick_s(self.settings.check_interval_ms)
         ttl = max(5_000, int(tick * 4000))
-        while True:
+        while not self._closed:
             await asyncio.sleep(tick)
-            if self.producer._core.fatal is not None:
+            if self._closed or self.producer._core.fatal is not None:
                 return
             try:
                 await self.background_once(ttl)
