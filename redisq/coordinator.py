@@ -29,6 +29,7 @@ from redisq.ownership import OwnershipCore, TopicPartition
 from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
 from redisq.protocol import run_operation
+from redisq.protocol.group import Commit, Lease
 from redisq.records import Message
 from redisq.scheduler import Scheduler
 from redisq.settings import ConsumerOptions, ConsumerSettings
@@ -326,14 +327,19 @@ class Coordinator:
         except Exception:
             log.exception("%s: %s callback raised", self.name, name)
 
-    def _commit(self, tp: TopicPartition) -> None:
+    def _commit(
+        self, tp: TopicPartition, send: Callable[[Lease, Commit], None] | None = None
+    ) -> bool:
+        """Commit what was handled on tp (False: nothing to commit). send(lease, commit): how
+        it goes to Redis (default PartitionIO.commit; a caught-up worker sends it ahead of its
+        waiting read)."""
         with self._lock:
             reader = self._readers.get(tp)
             commit = reader.take_commit() if reader is not None else None
         if reader is None or commit is None:
-            return
+            return False
         try:
-            self.io.commit(reader.lease, commit)
+            (send or self.io.commit)(reader.lease, commit)
         except LeaseLost:
             self.stats.fenced_commits += 1
             with self._lock:
@@ -346,6 +352,7 @@ class Coordinator:
         with self._lock:
             reader.committed(commit)
         self.stats.commits += 1
+        return True
 
     def _deserialize(self, message: Message) -> Message:
         if self._key_decoder is None and self._value_decoder is None:

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from redisq.deadletter import DeadLetterWriter
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import InvalidConfig, LeaseLost
+from redisq.errors import InvalidConfig, LeaseLost, from_reply
 from redisq.ownership import TopicPartition
 from redisq.policies import (
     DeadLetter,
@@ -165,7 +166,32 @@ class PartitionIO:
         (calls.fenced_wait_commands), in one round trip; [] when nothing came."""
         lease = reader.lease
         commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)
-        replies = self._exchange(commands[1][1], commands)
+        return self.waited(lease, self._exchange(commands[1][1], commands))
+
+    def commit_then_wait(
+        self, reader: OrderlyPartition, commit: Commit, count: int, block_ms: int
+    ) -> list[Any]:
+        """commit, then read_waiting's commands, in one write (commit_position.lua runs before
+        the XREAD): the commit's error reply raises (LeaseLost, ...); the read's raw replies are
+        returned for waited()."""
+        lease = reader.lease
+        call = calls.commit_position(self._keys, lease, commit)
+        commands = [
+            calls.script_command(self._scripts[call.script].sha, call),
+            *calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms),
+        ]
+        replies = self._exchange(commands[-1][1], commands)
+        committed = replies.pop(0)
+        if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
+            self.commit(lease, commit)
+        elif isinstance(committed, Exception):
+            raise from_reply(str(committed), lease.topic) or committed
+        return replies
+
+    @staticmethod
+    def waited(lease: Lease, replies: list[Any]) -> list[Message]:
+        """The messages of a waiting read's replies (LeaseLost unless the lease read after them
+        is the reader's own)."""
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply

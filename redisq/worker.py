@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -18,6 +18,7 @@ from redisq.dispatch import OrderlyPartition, lanes
 from redisq.errors import InvalidName, LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
+from redisq.protocol.group import Commit, Lease
 from redisq.records import MalformedMessage, Message
 
 if TYPE_CHECKING:
@@ -126,8 +127,7 @@ class Worker(threading.Thread):
             block_ms = self._block_ms(reader) if caught_up else 0
             try:
                 if block_ms > 0:
-                    self._commit_if_due(reader, 0.0)
-                    read = self.io.read_waiting(reader, batch, block_ms)
+                    read = self._commit_and_wait(reader, batch, block_ms)
                 else:
                     read = self.io.read_range(reader, batch)
             except _NETWORK_ERRORS as exc:
@@ -144,6 +144,20 @@ class Worker(threading.Thread):
                     caught_up = False
                     continue
             self._commit_if_due(reader, interval)
+
+    def _commit_and_wait(
+        self, reader: OrderlyPartition, count: int, block_ms: int
+    ) -> list[Message]:
+        """Caught up: commit what was handled and wait for what comes next, in one round trip
+        (the coordinator's commit bookkeeping, the commit sent ahead of the waiting read)."""
+        replies: list[Any] = []
+
+        def send(lease: Lease, commit: Commit) -> None:
+            replies.extend(self.io.commit_then_wait(reader, commit, count, block_ms))
+
+        if not self.consumer._commit(self.tp, send):  # nothing to commit
+            return self.io.read_waiting(reader, count, block_ms)
+        return self.io.waited(reader.lease, replies)
 
     def _block_ms(self, reader: OrderlyPartition) -> int:
         """How long a caught-up read may wait for entries (0: do not wait): block_ms, no later

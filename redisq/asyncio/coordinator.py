@@ -8,7 +8,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 import redis
@@ -23,7 +23,7 @@ from redisq.ownership import OwnershipCore, TopicPartition
 from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
 from redisq.protocol import group as calls
-from redisq.protocol.group import GroupRef
+from redisq.protocol.group import Commit, GroupRef, Lease
 from redisq.records import Message
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
@@ -305,13 +305,16 @@ class Coordinator:
         except Exception:
             log.exception("%s: %s callback raised", self.name, name)
 
-    async def _commit(self, tp: TopicPartition) -> None:
+    async def _commit(
+        self, tp: TopicPartition, send: Callable[[Lease, Commit], Awaitable[None]] | None = None
+    ) -> bool:
+        """See redisq.coordinator.Coordinator._commit."""
         reader = self._readers.get(tp)
         commit = reader.take_commit() if reader is not None else None
         if reader is None or commit is None:
-            return
+            return False
         try:
-            await self.io.commit(reader.lease, commit)
+            await (send or self.io.commit)(reader.lease, commit)
         except LeaseLost:
             self.stats.fenced_commits += 1
             self._lease_lost(tp)
@@ -321,6 +324,7 @@ class Coordinator:
             raise
         reader.committed(commit)
         self.stats.commits += 1
+        return True
 
     def _deserialize(self, message: Message) -> Message:
         if self._key_decoder is None and self._value_decoder is None:

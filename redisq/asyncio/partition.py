@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from redisq.deadletter import LETTER_PRODUCER_OPTIONS, letter
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import LeaseLost
+from redisq.errors import LeaseLost, from_reply
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
-from redisq.partition import MalformedLog
+from redisq.partition import MalformedLog, PartitionIO
 from redisq.policies import (
     FailurePolicy,
 )
@@ -112,14 +113,25 @@ class AsyncPartitionIO:
         """See redisq.partition.PartitionIO.read_waiting."""
         lease = reader.lease
         commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)
-        replies = await self._exchange(commands[1][1], commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        result = calls.wait_read_reply(replies)
-        if result.lease_value != lease.value:
-            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
-        return decode_entries(lease.topic, lease.partition, result.entries)
+        return PartitionIO.waited(lease, await self._exchange(commands[1][1], commands))
+
+    async def commit_then_wait(
+        self, reader: OrderlyPartition, commit: Commit, count: int, block_ms: int
+    ) -> list[Any]:
+        """See redisq.partition.PartitionIO.commit_then_wait."""
+        lease = reader.lease
+        call = calls.commit_position(self._keys, lease, commit)
+        commands = [
+            calls.script_command(self.broker.scripts[call.script].sha, call),
+            *calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms),
+        ]
+        replies = await self._exchange(commands[-1][1], commands)
+        committed = replies.pop(0)
+        if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
+            await self.commit(lease, commit)
+        elif isinstance(committed, Exception):
+            raise from_reply(str(committed), lease.topic) or committed
+        return replies
 
     async def commit(self, lease: Lease, commit: Commit) -> None:
         await self.broker.scripts.run(calls.commit_position(self._keys, lease, commit))

@@ -17,7 +17,9 @@ import redis
 from redisq.dispatch import OrderlyPartition, lanes
 from redisq.errors import LeaseLost
 from redisq.ownership import TopicPartition
+from redisq.partition import PartitionIO
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
+from redisq.protocol.group import Commit, Lease
 from redisq.records import MalformedMessage, Message
 
 if TYPE_CHECKING:
@@ -116,8 +118,7 @@ class _Handling:
             block_ms = self.block_ms(reader) if caught_up else 0
             try:
                 if block_ms > 0:
-                    await self.commit_if_due(reader, 0.0)
-                    read = await self.io.read_waiting(reader, batch, block_ms)
+                    read = await self.commit_and_wait(reader, batch, block_ms)
                 else:
                     read = await self.io.read_range(reader, batch)
             except _NETWORK_ERRORS as exc:
@@ -133,6 +134,19 @@ class _Handling:
                     caught_up = False
                     continue
             await self.commit_if_due(reader, interval)
+
+    async def commit_and_wait(
+        self, reader: OrderlyPartition, count: int, block_ms: int
+    ) -> list[Message]:
+        """See redisq.worker.Worker._commit_and_wait."""
+        replies: list[Any] = []
+
+        async def send(lease: Lease, commit: Commit) -> None:
+            replies.extend(await self.io.commit_then_wait(reader, commit, count, block_ms))
+
+        if not await self.consumer._commit(self.tp, send):  # nothing to commit
+            return await self.io.read_waiting(reader, count, block_ms)
+        return PartitionIO.waited(reader.lease, replies)
 
     def block_ms(self, reader: OrderlyPartition) -> int:
         """How long a caught-up read may wait for entries (0: do not wait): block_ms, no later

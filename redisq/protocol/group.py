@@ -263,6 +263,12 @@ def fenced_wait_commands(
     ]
 
 
+def script_command(sha: str, call: ScriptCall[Any]) -> tuple[Any, ...]:
+    """A script call as one EVALSHA command, for a pipeline of plain commands (a commit sent
+    with fenced_wait_commands in one write)."""
+    return ("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
+
+
 def wait_read_reply(replies: Sequence[Any]) -> RangeRead:
     """The reply to fenced_wait_commands: XREAD's entries (none when it timed out; a RESP2
     list or a RESP3 map of the one stream) and the lease value read after them."""
