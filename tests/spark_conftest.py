@@ -105,7 +105,12 @@ def transaction_states(broker: redisq.Broker) -> dict[str, str]:
     return states
 
 
-def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None = None) -> Any:
+HELD_PID_KEY = "test:held-pid"  # (in the namespace) the pid of the held attempt's Python worker
+
+
+def fail_first_attempts(
+    df: Any, after_rows: int, broker: redisq.Broker | None = None, hold_partition: int | None = None
+) -> Any:
     """df whose tasks fail on their first attempt once `after_rows` rows went through them: a
     task-side failure injected from outside the connector (a UDF in the test's DataFrame).
 
@@ -113,11 +118,16 @@ def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None =
     transaction in Redis, i.e. has staged rows, so the failed attempt leaves staged rows behind
     whatever the timing. Rows reach the writer while the UDF waits only past the buffers between
     the Python workers (64 KB each): the rows before the failure should make some hundreds of
-    KB, in small Arrow batches (spark.sql.execution.arrow.maxRecordsPerBatch)."""
+    KB, in small Arrow batches (spark.sql.execution.arrow.maxRecordsPerBatch).
+
+    hold_partition (with broker): instead, only that partition's first attempt stops there,
+    once registered, and waits (120 s at most) after writing its Python worker's pid to
+    HELD_PID_KEY in the namespace: the test kills the executor running it mid-write."""
     from pyspark.sql import functions as F
 
     url = broker_url(broker) if broker is not None else None
     pattern = f"{broker.namespace}:{{~tx:spark~*}}:record" if broker is not None else ""
+    held_key = f"{broker.namespace}:{HELD_PID_KEY}" if broker is not None else ""
 
     def passthrough(value: Any) -> Any:
         # Nested, so cloudpickle ships it by value (workers need not import the tests).
@@ -131,6 +141,9 @@ def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None =
         seen = passthrough.__dict__.setdefault("seen", {})
         slot = (context.stageId(), context.partitionId(), context.attemptNumber())
         seen[slot] = seen.get(slot, 0) + 1
+        held = hold_partition is not None and context.partitionId() == hold_partition
+        if hold_partition is not None and not held:
+            return value
         if context.attemptNumber() == 0 and seen[slot] > after_rows:
             if url is not None:
                 me = f"{context.partitionId()}:0".encode()
@@ -141,6 +154,11 @@ def fail_first_attempts(df: Any, after_rows: int, broker: redisq.Broker | None =
                     if any(me in client.hvals(k) for k in keys):
                         break
                     time.sleep(0.05)
+                if held:
+                    import os
+
+                    client.set(held_key, os.getpid())
+                    time.sleep(120)  # until the executor is killed
             raise RuntimeError(f"injected failure of task {context.partitionId()}")
         return value
 

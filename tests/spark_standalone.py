@@ -5,9 +5,10 @@ installed pyspark (bin/spark-class), each worker 1 core; and a driver run in its
     python -m tests.spark_standalone JOB MASTER URL NAMESPACE [ROWS]
 
 JOB: write-shuffle (rows through repartition(8, "key") into topic "out"), write-fail (the same,
-each write task's first attempt failing after it staged rows), read (count and checksum of
-topic "out", by a job on the cluster), zip-write (write-shuffle with redisq shipped as a zip
-to workers whose Python cannot import the installed redisq).
+each write task's first attempt failing after it staged rows), write-held (the same, task 0's
+first attempt holding still after it staged rows, for the test to kill its executor), read
+(count and checksum of topic "out", by a job on the cluster), zip-write (write-shuffle with
+redisq shipped as a zip to workers whose Python cannot import the installed redisq).
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ class StandaloneCluster:
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.processes[1:]]
 
+    def executor_of(self, pid: int) -> int:
+        """The executor JVM that pid (a Python worker) descends from."""
+        executors = set(self.executor_pids())
+        while pid > 1:
+            if pid in executors:
+                return pid
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        raise LookupError("not under one of this cluster's executors")
+
     def executor_pids(self) -> list[int]:
         """The executor JVMs our workers launched (children of the worker processes)."""
         workers = set(self.worker_pids())
@@ -200,12 +211,13 @@ def _run_job(job: str, master: str, url: str, namespace: str, rows: int) -> dict
         result = {"count": row.n, "checksum": row.checksum}
     else:
         df = source_rows(spark, rows).repartition(8, "key")
-        if job == "write-fail":
+        if job in ("write-fail", "write-held"):
             import redisq
             from tests.spark_conftest import fail_first_attempts
 
+            hold = 0 if job == "write-held" else None
             with redisq.connect(url, namespace=namespace) as broker:
-                df = fail_first_attempts(df, 1000, broker)
+                df = fail_first_attempts(df, 1000, broker, hold_partition=hold)
         df.write.format("redisq").options(topic="out", batchSize=50, maxInFlight=2, **options).mode(
             "append"
         ).save()

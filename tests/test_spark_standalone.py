@@ -23,7 +23,7 @@ pytest.importorskip("pyspark")
 
 import redisq  # noqa: E402
 from tests.conftest import drop_namespace  # noqa: E402
-from tests.spark_conftest import transaction_states  # noqa: E402
+from tests.spark_conftest import HELD_PID_KEY, transaction_states  # noqa: E402
 from tests.spark_standalone import StandaloneCluster, driver, expected_content  # noqa: E402
 
 pytestmark = pytest.mark.spark
@@ -84,23 +84,28 @@ def registered_attempts(broker: redisq.Broker) -> int:
 def test_write_after_a_shuffle_with_an_executor_killed_holds_each_row_once(
     cluster: StandaloneCluster, broker: redisq.Broker
 ) -> None:
+    """Task 0's first attempt holds still once it has staged rows (a UDF in the test's job);
+    the executor running it is SIGKILLed then: Spark runs the task again elsewhere, the dead
+    attempt's staged rows are aborted, and the topic holds every row once."""
     killed: list[int] = []
+    held_key = f"{broker.namespace}:{HELD_PID_KEY}"
 
-    def kill_an_executor_mid_write(process: Any) -> None:
+    def kill_the_held_executor(process: Any) -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and process.poll() is None:
-            if registered_attempts(broker) >= 2:  # the write stage has staged rows
-                pids = cluster.executor_pids()
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append(pids[0])
+            held = broker.client.get(held_key)
+            if held is not None:
+                executor = cluster.executor_of(int(held))
+                os.kill(executor, signal.SIGKILL)
+                killed.append(executor)
                 return
             time.sleep(0.1)
 
-    result = run_job(cluster, broker, "write-shuffle", during=kill_an_executor_mid_write)
-    assert killed, "the write ended before an executor could be killed"
+    result = run_job(cluster, broker, "write-held", during=kill_the_held_executor)
+    assert killed, "no attempt was held for the kill"
     assert dict(content(broker)) == expected_content(ROWS)
     states = Counter(transaction_states(broker).values())
-    assert "open" not in states and states["aborted"] >= 1  # the killed executor's attempts
+    assert "open" not in states and states["aborted"] >= 1  # the killed attempt's staged rows
     assert states["committed"] == 8
     print(f"write with a killed executor: {result}, transactions {dict(states)}")
 
