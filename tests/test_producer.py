@@ -185,7 +185,11 @@ def test_bytes_and_str_values_are_stored_as_bytes(broker: redisq.Broker) -> None
 
 
 @pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
-@pytest.mark.parametrize("value", [42, {"a": 1}, None, 1.5, ["x"], object()], ids=repr)
+@pytest.mark.parametrize(
+    "value",
+    [42, {"a": 1}, None, 1.5, ["x"], object()],
+    ids=lambda v: type(v).__name__ if type(v) is object else repr(v),  # stable across processes
+)
 def test_bad_value_type_is_a_type_error_naming_the_type(
     broker: redisq.Broker, idempotence: str | None, value: object
 ) -> None:

@@ -623,6 +623,16 @@ def _check(tx_id: str, messages: list[redisq.TxMessage]) -> redisq.TxState:
 GROUP_OK = {"transactional_group": "g", "check": _check}
 
 
+def _param_id(value: Any) -> str:
+    """A test id that is the same in every process (pytest-xdist compares them): names of
+    types and functions, not their reprs."""
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, dict):
+        return str({k: getattr(v, "__name__", v) for k, v in value.items()})
+    return str(value)
+
+
 @TWO_BACKENDS
 @pytest.mark.parametrize(
     ("name", "options", "error"),
@@ -639,7 +649,7 @@ GROUP_OK = {"transactional_group": "g", "check": _check}
         (None, {**GROUP_OK, "check_first_ms": 1}, redisq.InvalidConfig),
         (None, {**GROUP_OK, "check_interval_ms": "often"}, TypeError),
     ],
-    ids=lambda v: v.__name__ if isinstance(v, type) else str(v),
+    ids=lambda v: _param_id(v),
 )  # fmt: skip
 def test_bad_producer_options(
     broker: redisq.Broker, driver: Any, name: str | None, options: dict[str, Any], error: type
