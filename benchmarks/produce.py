@@ -9,7 +9,8 @@ msg/s divided by the raw pipelined XADD baseline of the same run (the same keyed
 by the same CRC-32); a value-only XADD row is shown for context. The redisq rows send with
 send_async and then flush(); message_id rows give each message an explicit id ("m-<i>"). The
 redisq.asyncio rows do the same on the asyncio producer (send_async returns an asyncio.Future
-per message). Without --url or REDIS_URL it uses the embedded valkey-server.
+per message; the caller yields to the loop every 1,000 sends). Without --url or REDIS_URL it
+uses the embedded valkey-server.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def run_redisq(broker: redisq.Broker, idempotence: str | None, n: int) -> float:
 
 
 def run_asyncio(url: str | None, namespace: str, idempotence: str, n: int) -> float:
-    """The asyncio producer: send_async per message (a future each), then flush()."""
+    """The asyncio producer: send_async per message (a future each), yielding to the loop
+    every 1,000, then flush()."""
 
     async def main() -> float:
         broker = await redisq_asyncio.connect(url, namespace=namespace)
@@ -104,16 +106,27 @@ def run_asyncio(url: str | None, namespace: str, idempotence: str, n: int) -> fl
         ids = ids_for(n)
         try:
             await broker.create_topic(topic, partitions=PARTITIONS)
-            async with broker.producer(idempotence=idempotence) as producer:
+            # The whole run may sit in the buffer (as in the thread rows): max_buffered_messages
+            # above n, or send_async refuses once the sender falls 100,000 behind.
+            async with broker.producer(
+                idempotence=idempotence, max_buffered_messages=n + 1000
+            ) as producer:
                 await producer.send(topic, PAYLOAD, key=b"warm-up")  # identity, metadata
                 start = time.perf_counter()
                 send = producer.send_async
+                # The caller yields to the event loop every 1,000 sends, as an application
+                # that awaits anything does: the sender writes meanwhile (without it, nothing
+                # is written until flush() and send_async refuses past max_buffered_messages).
                 if idempotence == "message_id":
-                    for key, message_id in zip(keys, ids, strict=True):
+                    for i, (key, message_id) in enumerate(zip(keys, ids, strict=True)):
                         send(topic, PAYLOAD, key=key, message_id=message_id)
+                        if i % 1000 == 999:
+                            await asyncio.sleep(0)
                 else:
-                    for key in keys:
+                    for i, key in enumerate(keys):
                         send(topic, PAYLOAD, key=key)
+                        if i % 1000 == 999:
+                            await asyncio.sleep(0)
                 await producer.flush()
                 elapsed = time.perf_counter() - start
             total = (await broker.describe_topic(topic)).total_messages
