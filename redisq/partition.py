@@ -175,11 +175,15 @@ class PartitionIO:
         the XREAD): the commit's error reply raises (LeaseLost, ...); the read's raw replies are
         returned for waited()."""
         lease = reader.lease
-        call = calls.commit_position(self._keys, lease, commit)
-        commands = [
-            calls.script_command(self._scripts[call.script].sha, call),
-            *calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms),
-        ]
+        commands = calls.commit_then_wait_commands(
+            self._keys,
+            lease,
+            commit,
+            lambda name: self._scripts[name].sha,
+            reader.read_from,
+            count,
+            block_ms,
+        )
         replies = self._exchange(commands[-1][1], commands)
         committed = replies.pop(0)
         if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again

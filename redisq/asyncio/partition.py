@@ -120,11 +120,15 @@ class AsyncPartitionIO:
     ) -> list[Any]:
         """See redisq.partition.PartitionIO.commit_then_wait."""
         lease = reader.lease
-        call = calls.commit_position(self._keys, lease, commit)
-        commands = [
-            calls.script_command(self.broker.scripts[call.script].sha, call),
-            *calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms),
-        ]
+        commands = calls.commit_then_wait_commands(
+            self._keys,
+            lease,
+            commit,
+            lambda name: self.broker.scripts[name].sha,
+            reader.read_from,
+            count,
+            block_ms,
+        )
         replies = await self._exchange(commands[-1][1], commands)
         committed = replies.pop(0)
         if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again

@@ -7,7 +7,7 @@ nothing. Concurrent mode holds no leases: its lease value is "" and the check is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,6 +267,25 @@ def script_command(sha: str, call: ScriptCall[Any]) -> tuple[Any, ...]:
     """A script call as one EVALSHA command, for a pipeline of plain commands (a commit sent
     with fenced_wait_commands in one write)."""
     return ("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
+
+
+def commit_then_wait_commands(
+    keys: KeySpace,
+    lease: Lease,
+    commit: Commit,
+    sha_of: Callable[[str], str],
+    read_from: str,
+    count: int,
+    block_ms: int,
+) -> list[tuple[Any, ...]]:
+    """commit_position.lua as EVALSHA (sha_of: a script's SHA by name), then
+    fenced_wait_commands, for one write: the commit runs before the XREAD. The first reply is
+    the commit's; the others go to wait_read_reply."""
+    call = commit_position(keys, lease, commit)
+    return [
+        script_command(sha_of(call.script), call),
+        *fenced_wait_commands(keys, lease, read_from, count, block_ms),
+    ]
 
 
 def wait_read_reply(replies: Sequence[Any]) -> RangeRead:
