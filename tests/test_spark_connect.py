@@ -1,12 +1,14 @@
 """The connector through Spark Connect: a Connect server started from the installed pyspark
-(bin/spark-submit, loopback, stopped by pid), a client session registering the data source
-remotely, then a write through a shuffle, a read and a streaming copy, compared row for row.
+(bin/spark-submit, loopback, stopped by pid), a client session in a process of its own
+registering the data source remotely, then a write through a shuffle, a read and a streaming
+copy, compared row for row.
 
-Needs the Connect client (pip install 'redisq-broker[spark-connect]': grpcio, pandas, ...);
-skipped without it."""
+Needs the Connect client (pip install 'redisq-broker[spark-connect]': grpcio, pandas, ...;
+CI installs it); skipped without it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -75,15 +77,6 @@ def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def session(connect_url: str) -> Iterator[Any]:
-    from spark_connector.session import get_session
-
-    spark = get_session(remote=connect_url)
-    yield spark
-    spark.stop()
-
-
-@pytest.fixture
 def broker(valkey_server: Any) -> Iterator[redisq.Broker]:
     b = redisq.connect(valkey_server.url, namespace=f"cc{uuid.uuid4().hex[:10]}")
     yield b
@@ -97,22 +90,41 @@ def content(broker: redisq.Broker, topic: str) -> Counter[tuple[bytes | None, by
 
 
 def test_write_read_and_stream_through_spark_connect(
-    session: Any, broker: redisq.Broker, valkey_server: Any, tmp_path: Path
+    connect_url: str, broker: redisq.Broker, valkey_server: Any, tmp_path: Path
 ) -> None:
-    url = valkey_server.url
-    options = {"url": url, "namespace": broker.namespace}
+    """The client runs in a process of its own (pyspark refuses a Connect session in a process
+    that already runs a classic one, as the other Spark tests' workers do)."""
     broker.create_topic("out", partitions=3)
     broker.create_topic("copy", partitions=2)
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.test_spark_connect", connect_url, valkey_server.url,
+         broker.namespace, str(tmp_path / "cp")],
+        cwd=Path(__file__).resolve().parent.parent, env={**spark_env(), "PYTHONPATH": "."},
+        capture_output=True, timeout=400,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr.decode()[-4000:]
+    read = json.loads(child.stdout.decode().strip().splitlines()[-1])
+    expected = Counter((str(i % 37).encode(), b"v%d" % i) for i in range(5000))
+    assert content(broker, "out") == expected
+    assert Counter((bytes.fromhex(k), bytes.fromhex(v)) for k, v in read) == expected
+    assert content(broker, "copy") == expected
+
+
+def client(remote: str, url: str, namespace: str, checkpoint: str) -> None:
+    """Through Connect: a write through a shuffle into "out", a read of it (printed as one JSON
+    line of [key hex, value hex] pairs), a streaming copy of it into "copy"."""
+    from spark_connector.session import get_session
+
+    session = get_session(remote=remote)
+    options = {"url": url, "namespace": namespace}
     source = session.range(0, 5000, numPartitions=3).selectExpr(
         "cast(id % 37 as string) as key", "cast(concat('v', id) as binary) as value"
     )
     source.repartition(4, "key").write.format("redisq").options(topic="out", **options).mode(
         "append"
     ).save()
-    expected = Counter((str(i % 37).encode(), b"v%d" % i) for i in range(5000))
-    assert content(broker, "out") == expected
     read = session.read.format("redisq").options(subscribe="out", **options).load()
-    assert Counter((bytes(r.key), bytes(r.value)) for r in read.collect()) == expected
+    rows = [[bytes(r.key).hex(), bytes(r.value).hex()] for r in read.collect()]
     query = (
         session.readStream.format("redisq")
         .options(subscribe="out", startingOffsets="earliest", maxOffsetsPerTrigger=2000, **options)
@@ -120,10 +132,16 @@ def test_write_read_and_stream_through_spark_connect(
         .select("key", "value")
         .writeStream.format("redisq")
         .options(topic="copy", **options)
-        .option("checkpointLocation", str(tmp_path / "cp"))
+        .option("checkpointLocation", checkpoint)
         .trigger(availableNow=True)
         .start()
     )
     query.awaitTermination(180)
-    assert query.exception() is None
-    assert content(broker, "copy") == expected
+    if query.exception() is not None:
+        raise SystemExit(f"streaming copy failed: {query.exception()}")
+    session.stop()
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    client(*sys.argv[1:5])
