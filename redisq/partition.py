@@ -151,14 +151,7 @@ class PartitionIO:
         commands = calls.fenced_range_commands(self._keys, lease, start, count)
         if inclusive:
             commands[2] = (*commands[2][:2], start, *commands[2][3:])
-        replies = self._exchange(commands[1][1], commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        result = calls.range_read_reply(replies)
-        if result.lease_value != lease.value:
-            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
-        return decode_entries(lease.topic, lease.partition, result.entries)
+        return self.fenced(lease, self._exchange(commands[1][1], commands), calls.range_read_reply)
 
     def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Message]:
         """read_range for a reader that has caught up: waits up to block_ms for entries after
@@ -194,12 +187,19 @@ class PartitionIO:
 
     @staticmethod
     def waited(lease: Lease, replies: list[Any]) -> list[Message]:
-        """The messages of a waiting read's replies (LeaseLost unless the lease read after them
-        is the reader's own)."""
+        """The messages of a waiting read's replies (see fenced)."""
+        return PartitionIO.fenced(lease, replies, calls.wait_read_reply)
+
+    @staticmethod
+    def fenced(
+        lease: Lease, replies: list[Any], parse: Callable[[list[Any]], calls.RangeRead]
+    ) -> list[Message]:
+        """The messages of a fenced read's replies, either driver (parse: range_read_reply or
+        wait_read_reply): LeaseLost unless the lease read after the entries is the reader's."""
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        result = calls.wait_read_reply(replies)
+        result = parse(replies)
         if result.lease_value != lease.value:
             raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
         return decode_entries(lease.topic, lease.partition, result.entries)

@@ -16,7 +16,7 @@ from redis.exceptions import NoScriptError
 
 from redisq.deadletter import LETTER_PRODUCER_OPTIONS, letter
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import LeaseLost, from_reply
+from redisq.errors import from_reply
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
 from redisq.partition import MalformedLog, PartitionIO
@@ -99,13 +99,7 @@ class AsyncPartitionIO:
         if inclusive:
             commands[2] = (*commands[2][:2], start, *commands[2][3:])
         replies = await self._exchange(commands[1][1], commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        result = calls.range_read_reply(replies)
-        if result.lease_value != lease.value:
-            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
-        return decode_entries(lease.topic, lease.partition, result.entries)
+        return PartitionIO.fenced(lease, replies, calls.range_read_reply)
 
     async def read_waiting(
         self, reader: OrderlyPartition, count: int, block_ms: int
