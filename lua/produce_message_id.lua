@@ -114,10 +114,8 @@ if ring.previous_valid then
 end
 local first_in_batch = {} -- message id -> index of its first occurrence appended by this batch
 local duplicate_of = {}   -- index -> the stream ID it was first written at, or that first index
-local remembered = {}     -- id, stream ID, ... of the appended messages (HSET arguments)
-local remembered_n = 0
 local duplicates = 0
-local function claim(i, pos, id)
+local function claim(i)
   local n = i + 1
   local earlier = in_current[n] or in_previous[n]
   if not earlier then
@@ -125,9 +123,6 @@ local function claim(i, pos, id)
     earlier = first_in_batch[message_id]
     if earlier == nil then
       first_in_batch[message_id] = n
-      remembered[remembered_n + 1] = message_id
-      remembered[remembered_n + 2] = id
-      remembered_n = remembered_n + 2
       return true
     end
   end
@@ -137,8 +132,24 @@ local function claim(i, pos, id)
 end
 
 local appended = append_messages(KEYS[1], layout, 12, count, producer_id, nil, claim)
-for from = 1, remembered_n, 1000 do
-  redis.call('HSET', current, unpack(remembered, from, math.min(from + 999, remembered_n)))
+-- Remember every appended id with the ID it got (HSET arguments, 1000 fields a call).
+local remembered = {}
+local remembered_n = 0
+local ids = appended.ids
+for i = 1, count do
+  local id = ids[i]
+  if id then
+    remembered[remembered_n + 1] = message_ids[i]
+    remembered[remembered_n + 2] = id
+    remembered_n = remembered_n + 2
+    if remembered_n == 2000 then
+      redis.call('HSET', current, unpack(remembered, 1, remembered_n))
+      remembered_n = 0
+    end
+  end
+end
+if remembered_n > 0 then
+  redis.call('HSET', current, unpack(remembered, 1, remembered_n))
 end
 local result = {'', appended.first or ''}
 if duplicates == 0 then

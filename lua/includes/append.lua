@@ -19,13 +19,16 @@ end
 --   Appends `count` messages whose arguments start at ARGV[first], #layout arguments each.
 --   producer_id (or nil) is stored as field p; with seq_first, field s = ARGV[seq_first + i]
 --   (the client sends the sequence numbers as strings: converting numbers here costs more).
---   claim(i, pos, id) (or nil) is asked before message i is appended at ID `id`; a false answer
---   leaves the message out (a duplicate).
---   Returns {first = ID, last = ID, count = appended, ids = {[i + 1] = ID of message i}}.
+--   claim(i, pos) (or nil) is asked before message i is appended; a false answer leaves the
+--   message out (a duplicate).
+--   Returns {first = ID, last = ID, count = appended, ids = {[i + 1] = ID of message i}}; ids
+--   is only filled when claim is given (the other callers need first and last).
 --
--- IDs are chosen here as XADD * would (now, or the last generated ID + 1 if the clock is behind)
--- and are consecutive: a batch is always the range first_id + i, so producer state only needs
--- the first ID and the count, and claim() knows a message's ID before it is written.
+-- The first XADD takes `*`, so the server picks the millisecond exactly as for any XADD (now, or
+-- the last generated ID's if the clock is behind); every later one takes `<that ms>-*`, the next
+-- sequence of the same millisecond. Nothing else runs inside a script, so a batch's IDs are
+-- consecutive: producer state only needs the first ID and the count. No ID is formatted here
+-- and the stream is not inspected: per message, the XADD is the only work.
 --
 -- The common layouts get a direct redis.call each (no per-message table): this loop is the
 -- broker's hot path.
@@ -47,45 +50,31 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
     seq_at = #extra
   end
 
-  local info = redis.call('XINFO', 'STREAM', stream)
-  local last_id = '0-0'
-  for j = 1, #info, 2 do
-    if info[j] == 'last-generated-id' then
-      last_id = info[j + 1]
-      break
-    end
-  end
-  local last_ms, last_seq = string.match(last_id, '^(%d+)-(%d+)$')
-  local now_ms = server_now_ms()
-  local ms, seq0 = tonumber(last_ms), tonumber(last_seq) + 1
-  if now_ms > ms then
-    ms, seq0 = now_ms, 0
-  end
-  local prefix = string.format('%.0f', ms) .. '-'
-
+  local argv, call = ARGV, redis.call
+  local id_arg = '*'
+  local first_id, id
   local appended = 0
   local ids = {}
   for i = 0, count - 1 do
     local pos = first + i * stride
-    local id = prefix .. (seq0 + appended)
-    if not claim or claim(i, pos, id) then
+    if not claim or claim(i, pos) then
       if seq_at then
-        extra[seq_at] = ARGV[seq_first + i]
+        extra[seq_at] = argv[seq_first + i]
       end
       if layout == 'kv' then
-        redis.call('XADD', stream, id, 'k', ARGV[pos], 'v', ARGV[pos + 1], unpack(extra))
+        id = call('XADD', stream, id_arg, 'k', argv[pos], 'v', argv[pos + 1], unpack(extra))
       elseif layout == 'v' then
-        redis.call('XADD', stream, id, 'v', ARGV[pos], unpack(extra))
+        id = call('XADD', stream, id_arg, 'v', argv[pos], unpack(extra))
       elseif layout == 'kvm' then
-        redis.call('XADD', stream, id, 'k', ARGV[pos], 'v', ARGV[pos + 1], 'm', ARGV[pos + 2],
+        id = call('XADD', stream, id_arg, 'k', argv[pos], 'v', argv[pos + 1], 'm', argv[pos + 2],
           unpack(extra))
       elseif layout == 'vm' then
-        redis.call('XADD', stream, id, 'v', ARGV[pos], 'm', ARGV[pos + 1], unpack(extra))
+        id = call('XADD', stream, id_arg, 'v', argv[pos], 'm', argv[pos + 1], unpack(extra))
       else
         local fields = {}
         local n = 0
         for j = 1, stride do
-          local arg = ARGV[pos + j - 1]
+          local arg = argv[pos + j - 1]
           if letters[j] == 'v' or arg ~= '' then
             fields[n + 1] = letters[j]
             fields[n + 2] = arg
@@ -95,18 +84,19 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
         for j = 1, #extra do
           fields[n + j] = extra[j]
         end
-        redis.call('XADD', stream, id, unpack(fields))
+        id = call('XADD', stream, id_arg, unpack(fields))
+      end
+      if appended == 0 then
+        first_id = id
+        id_arg = string.match(id, '^%d+') .. '-*'
       end
       appended = appended + 1
-      ids[i + 1] = id
+      if claim then
+        ids[i + 1] = id
+      end
     end
   end
-  local result = {count = appended, ids = ids}
-  if appended > 0 then
-    result.first = prefix .. seq0
-    result.last = prefix .. (seq0 + appended - 1)
-  end
-  return result
+  return {count = appended, ids = ids, first = first_id, last = id}
 end
 
 -- Retention: by count (MAXLEN ~) and by age (MINID ~ now - retention). Approximate trimming only
