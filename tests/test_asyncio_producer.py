@@ -347,6 +347,36 @@ async def test_no_idempotence_appends_plainly(env: Env) -> None:
     assert [f.result().offset for f in futures] == [m.offset for m in stored][2:]
 
 
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
+@aio
+async def test_a_stream_ahead_of_the_server_clock_gets_the_next_ids_of_its_millisecond(
+    env: Env, idempotence: str | None
+) -> None:
+    """As tests/test_producer.py's test of that name, through the asyncio producer."""
+    log = env.sync.keys.log("t", 0)
+    async with env.connect() as broker:
+        await broker.create_topic("t", partitions=1)
+        ahead_ms = int(env.sync.client.time()[0]) * 1000 + 3_600_000
+        env.sync.client.xadd(log, {"v": b"ahead"}, id=f"{ahead_ms}-5")
+        async with broker.producer(idempotence=idempotence, max_batch_messages=40) as producer:
+            futures = [
+                producer.send_async(
+                    "t", f"v{i}", key=f"k{i % 3}",
+                    message_id=f"id-{i}" if idempotence == "message_id" else None,
+                )
+                for i in range(100)
+            ]  # fmt: skip
+            await producer.flush()
+            offsets = [f.result().offset for f in futures]
+            if idempotence == "message_id":
+                again = await producer.send("t", b"again", key="k0", message_id="id-99")
+                assert (again.duplicate, again.offset) == (True, offsets[99])
+        stored = [m async for m in broker.read("t", 0)]
+    assert offsets == [f"{ahead_ms}-{6 + i}" for i in range(100)]
+    assert [m.offset for m in stored] == [f"{ahead_ms}-5", *offsets]
+    assert [m.value for m in stored] == [b"ahead"] + [f"v{i}".encode() for i in range(100)]
+
+
 # -- named producers and fencing ----------------------------------------------------------------
 
 

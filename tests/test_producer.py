@@ -383,6 +383,38 @@ def test_no_idempotence_appends_plainly(broker: redisq.Broker) -> None:
     ][2:]
 
 
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
+def test_a_stream_ahead_of_the_server_clock_gets_the_next_ids_of_its_millisecond(
+    broker: redisq.Broker, idempotence: str | None
+) -> None:
+    """The last entry's ID is an hour ahead of the server's clock (a failover to a server whose
+    clock is behind): a batch continues in that millisecond, with consecutive IDs, and its
+    offsets are the stored ones (message_id: a resend answers them as the originals)."""
+    broker.create_topic("t", partitions=1)
+    log = broker.keys.log("t", 0)
+    ahead_ms = int(broker.client.time()[0]) * 1000 + 3_600_000
+    broker.client.xadd(log, {"v": b"ahead"}, id=f"{ahead_ms}-5")
+    with broker.producer(idempotence=idempotence, max_batch_messages=40) as producer:
+        futures = [
+            producer.send_async(
+                "t", f"v{i}", key=f"k{i % 3}",
+                message_id=f"id-{i}" if idempotence == "message_id" else None,
+            )
+            for i in range(100)
+        ]  # fmt: skip
+        producer.flush()
+        offsets = [f.result(timeout=10).offset for f in futures]
+        if idempotence == "message_id":
+            again = [producer.send("t", b"again", key="k0", message_id=f"id-{i}") for i in (0, 99)]
+            assert [(m.duplicate, m.offset) for m in again] == [
+                (True, offsets[0]), (True, offsets[99])
+            ]  # fmt: skip
+    assert offsets == [f"{ahead_ms}-{6 + i}" for i in range(100)]
+    stored = list(broker.read("t", 0))
+    assert [m.offset for m in stored] == [f"{ahead_ms}-5", *offsets]
+    assert [m.value for m in stored] == [b"ahead"] + [f"v{i}".encode() for i in range(100)]
+
+
 # -- named producers and fencing ----------------------------------------------------------------
 
 
