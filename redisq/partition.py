@@ -32,6 +32,7 @@ from redisq.policies import (
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
+from redisq.protocol.resp import pack_commands
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.settings import ConsumerSettings
 from redisq.stats import ConsumerStats
@@ -128,7 +129,7 @@ class PartitionIO:
             pool = self._client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command([pack_commands(commands)])
             replies = []
             for _ in commands:
                 try:

@@ -12,6 +12,7 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
+from redis.asyncio.connection import Connection as AsyncConnection
 from redis.crc import key_slot
 
 import redisq
@@ -30,6 +31,7 @@ from redisq.errors import (
 from redisq.keys import KeySpace, validate_name, validate_namespace, validate_topic
 from redisq.msgid import MessageIdGenerator, decode_ulid, ulid_time_ms
 from redisq.partitioner import StickyPartitioner, partition_for_key
+from redisq.protocol.resp import pack_commands
 from redisq.records import (
     decode_entry,
     decode_headers,
@@ -726,3 +728,33 @@ def test_retention_by_count(fake: redisq.Broker) -> None:
         assert min(sent, 10) <= length <= 10 + node_entries - 1, (sent, length)
     values = [int(m.value) for m in fake.read("t", 0)]
     assert values == list(range(200 - len(values), 200))
+
+
+# -- RESP packing of the consumers' commands ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "commands",
+    [
+        [("XACK", "rq:{t:0}:log", "g", *[f"1795408158416-{i}" for i in range(1000)])],
+        [
+            ("GET", "rq:{t:0}:lease"),
+            ("XRANGE", "rq:{t:0}:log", "(1-0", "+", "COUNT", 1000),
+            ("XREADGROUP", "GROUP", "g", "m", "COUNT", 10, "BLOCK", 0, "STREAMS", "k", ">"),
+        ],
+        [("SET", "ключ", b"\x00\r\n", bytearray(b"ab"), memoryview(b"mv"), 1.5, -(10**20))],
+        [("SET", "k", "v" * 5000, b"b" * 70_000)],
+    ],
+)
+def test_pack_commands_writes_the_bytes_redis_py_would(commands: list[tuple[Any, ...]]) -> None:
+    packed = pack_commands(commands)
+    assert packed == b"".join(redis.Connection().pack_commands(commands))
+    assert packed == b"".join(AsyncConnection().pack_commands(commands))
+
+
+@pytest.mark.parametrize("bad", [True, None, object(), ["list"]])
+def test_pack_commands_refuses_what_redis_py_refuses(bad: object) -> None:
+    with pytest.raises(TypeError, match="command argument"):
+        pack_commands([("SET", "k", bad)])
+    with pytest.raises(redis.DataError):
+        redis.Connection().pack_commands([("SET", "k", bad)])

@@ -25,6 +25,7 @@ from redisq.policies import (
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
+from redisq.protocol.resp import pack_commands
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.settings import ConsumerSettings
 
@@ -74,7 +75,7 @@ class AsyncPartitionIO:
             release = pool.release
         try:
             await conn.connect()
-            await conn.send_packed_command(conn.pack_commands(commands))
+            await conn.send_packed_command([pack_commands(commands)])
             replies = []
             for _ in commands:
                 try:

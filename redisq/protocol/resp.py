@@ -38,6 +38,37 @@ def command(
     return b"".join([b"*%d\r\n" % (1 + len(head) + encoded_count), bulk(name), *head, *encoded])
 
 
+def pack_commands(commands: Iterable[Sequence[Any]]) -> bytes:
+    """Commands as one RESP write, arguments encoded as redis-py's Encoder does (bytes-likes as
+    they are, int and float by repr, str as UTF-8; anything else, bool included, is a
+    TypeError): the consumers' reads and acks carry up to a thousand IDs a command, which
+    redis-py's asyncio connection packs in Python at about five times this cost."""
+    out: list[bytes] = []
+    add = out.append
+    for cmd in commands:
+        add(b"*%d\r\n" % len(cmd))
+        for arg in cmd:
+            kind = type(arg)
+            if kind is str:
+                arg = arg.encode()
+            elif kind is int:
+                arg = b"%d" % arg
+            elif kind is not bytes:
+                arg = _encoded(arg)
+            add(BULK_HEADERS[len(arg)] if len(arg) < 4096 else b"$%d\r\n" % len(arg))
+            add(arg)
+            add(b"\r\n")
+    return b"".join(out)
+
+
+def _encoded(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"a command argument of type {type(value).__name__}")
+    return (value if isinstance(value, str) else repr(value)).encode()
+
+
 def decode_bulks(encoded: bytes, count: int) -> list[bytes]:
     """The values of `count` concatenated RESP bulk strings (the inverse of joining bulk()s), for
     callers that send a pre-encoded body through a client's ordinary command interface."""
