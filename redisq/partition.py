@@ -127,9 +127,10 @@ class PartitionIO:
             ).connection_pool
         else:
             pool = self._client.connection_pool
+        packed = [pack_commands(commands)]
         conn = pool.get_connection()
         try:
-            conn.send_packed_command([pack_commands(commands)])
+            conn.send_packed_command(packed)
             replies = []
             for _ in commands:
                 try:

@@ -65,6 +65,7 @@ class AsyncPartitionIO:
 
     async def _exchange(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Commands in one write on a pooled connection of the node serving `key`, raw replies."""
+        packed = [pack_commands(commands)]
         if self._cluster:
             node = self._client.get_node_from_key(key)
             conn = node.acquire_connection()
@@ -75,7 +76,7 @@ class AsyncPartitionIO:
             release = pool.release
         try:
             await conn.connect()
-            await conn.send_packed_command([pack_commands(commands)])
+            await conn.send_packed_command(packed)
             replies = []
             for _ in commands:
                 try:
