@@ -35,7 +35,7 @@ from redisq.protocol.produce import BatchResult, ProducerIdentity, encode_messag
 from redisq.topic import TopicConfig
 from tests.aio import Env, Killer, aio, read_all
 from tests.servers import ServerProcess, binary_for
-from tests.test_producer import _Batch
+from tests.test_producer import _Batch, send_numbered
 from tests.test_topics import snapshot
 
 
@@ -359,13 +359,7 @@ async def test_a_stream_ahead_of_the_server_clock_gets_the_next_ids_of_its_milli
         ahead_ms = int(env.sync.client.time()[0]) * 1000 + 3_600_000
         env.sync.client.xadd(log, {"v": b"ahead"}, id=f"{ahead_ms}-5")
         async with broker.producer(idempotence=idempotence, max_batch_messages=40) as producer:
-            futures = [
-                producer.send_async(
-                    "t", f"v{i}", key=f"k{i % 3}",
-                    message_id=f"id-{i}" if idempotence == "message_id" else None,
-                )
-                for i in range(100)
-            ]  # fmt: skip
+            futures = send_numbered(producer, idempotence, 100)
             await producer.flush()
             offsets = [f.result().offset for f in futures]
             if idempotence == "message_id":

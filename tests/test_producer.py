@@ -11,6 +11,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -383,6 +384,18 @@ def test_no_idempotence_appends_plainly(broker: redisq.Broker) -> None:
     ][2:]
 
 
+def send_numbered(producer: Any, idempotence: str | None, count: int) -> list[Any]:
+    """send_async of values v0, v1, ... over keys k0-k2 (ids id-0, id-1, ... in message_id
+    mode), through either driver's producer: their futures, in order."""
+    return [
+        producer.send_async(
+            "t", f"v{i}", key=f"k{i % 3}",
+            message_id=f"id-{i}" if idempotence == "message_id" else None,
+        )
+        for i in range(count)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("idempotence", ["sequence", "message_id", None])
 def test_a_stream_ahead_of_the_server_clock_gets_the_next_ids_of_its_millisecond(
     broker: redisq.Broker, idempotence: str | None
@@ -395,13 +408,7 @@ def test_a_stream_ahead_of_the_server_clock_gets_the_next_ids_of_its_millisecond
     ahead_ms = int(broker.client.time()[0]) * 1000 + 3_600_000
     broker.client.xadd(log, {"v": b"ahead"}, id=f"{ahead_ms}-5")
     with broker.producer(idempotence=idempotence, max_batch_messages=40) as producer:
-        futures = [
-            producer.send_async(
-                "t", f"v{i}", key=f"k{i % 3}",
-                message_id=f"id-{i}" if idempotence == "message_id" else None,
-            )
-            for i in range(100)
-        ]  # fmt: skip
+        futures = send_numbered(producer, idempotence, 100)
         producer.flush()
         offsets = [f.result(timeout=10).offset for f in futures]
         if idempotence == "message_id":
