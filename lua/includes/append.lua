@@ -19,7 +19,7 @@ end
 --   Appends `count` messages whose arguments start at ARGV[first], #layout arguments each.
 --   producer_id (or nil) is stored as field p; with seq_first, field s = ARGV[seq_first + i]
 --   (the client sends the sequence numbers as strings: converting numbers here costs more).
---   claim(i, pos) (or nil) is asked before message i is appended; a false answer leaves the
+--   claim(i) (or nil) is asked before message i is appended; a false answer leaves the
 --   message out (a duplicate).
 --   Returns {first = ID, last = ID, count = appended, ids = {[i + 1] = ID of message i}}; ids
 --   is only filled when claim is given (the other callers need first and last).
@@ -57,7 +57,7 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
   local ids = {}
   for i = 0, count - 1 do
     local pos = first + i * stride
-    if not claim or claim(i, pos) then
+    if not claim or claim(i) then
       if seq_at then
         extra[seq_at] = argv[seq_first + i]
       end
