@@ -145,9 +145,10 @@ class PartitionIO:
         return replies
 
     # -- orderly: reading by range, committing ---------------------------------------------------
-    def read_range(self, reader: OrderlyPartition, count: int) -> list[Message]:
-        """The next entries after the reader's position, with the lease value that stood when
-        they were read: LeaseLost (nothing returned) unless it is the reader's."""
+    def read_range(self, reader: OrderlyPartition, count: int) -> list[Any]:
+        """The next entries after the reader's position (raw, for decode_entries), with the lease
+        value that stood when they were read: LeaseLost (nothing returned) unless it is the
+        reader's."""
         lease = reader.lease
         start, inclusive = reader.next_range()
         commands = calls.fenced_range_commands(self._keys, lease, start, count)
@@ -155,7 +156,7 @@ class PartitionIO:
             commands[2] = (*commands[2][:2], start, *commands[2][3:])
         return self.fenced(lease, self._exchange(commands[1][1], commands), calls.range_read_reply)
 
-    def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Message]:
+    def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
         """read_range for a reader that has caught up: waits up to block_ms for entries after
         its position and returns them with the lease checked after they were read
         (calls.fenced_wait_commands), in one round trip; [] when nothing came."""
@@ -188,23 +189,24 @@ class PartitionIO:
         return replies
 
     @staticmethod
-    def waited(lease: Lease, replies: list[Any]) -> list[Message]:
-        """The messages of a waiting read's replies (see fenced)."""
+    def waited(lease: Lease, replies: list[Any]) -> list[Any]:
+        """The raw entries of a waiting read's replies (see fenced)."""
         return PartitionIO.fenced(lease, replies, calls.wait_read_reply)
 
     @staticmethod
     def fenced(
         lease: Lease, replies: list[Any], parse: Callable[[list[Any]], calls.RangeRead]
-    ) -> list[Message]:
-        """The messages of a fenced read's replies, either driver (parse: range_read_reply or
-        wait_read_reply): LeaseLost unless the lease read after the entries is the reader's."""
+    ) -> list[Any]:
+        """The raw entries of a fenced read's replies, either driver (parse: range_read_reply or
+        wait_read_reply): LeaseLost unless the lease read after the entries is the reader's.
+        The caller decodes them (decode_entries, or dispatch.admit_in_chunks)."""
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         result = parse(replies)
         if result.lease_value != lease.value:
             raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
-        return decode_entries(lease.topic, lease.partition, result.entries)
+        return result.entries
 
     def commit(self, lease: Lease, commit: Commit) -> None:
         self._scripts.run(calls.commit_position(self._keys, lease, commit))
@@ -387,7 +389,7 @@ class PartitionIO:
     ) -> list[Message]:
         """poll(): the next messages of a partition (orderly: held keys' messages held back)."""
         if reader is not None:
-            messages = self.read_range(reader, count)
+            messages = decode_entries(*tp, self.read_range(reader, count))
             return reader.admit(messages, time.monotonic())
         claimed = self.claim_idle(tp, count)
         return claimed or self.read_group(tp, count, [], None)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, lanes
+from redisq.dispatch import DECODE_CHUNK, OrderlyPartition, admitted_chunks, lanes
 from redisq.errors import InvalidName, LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
@@ -104,6 +106,8 @@ class Worker(threading.Thread):
     def _orderly(self, reader: OrderlyPartition) -> None:
         consumer = self.consumer
         batch = self.settings.batch_size
+        lanes_of = self.settings.key_concurrency
+        chunk = batch if lanes_of > 1 else DECODE_CHUNK  # lanes take a whole read at once
         interval = consumer._ack_interval_s
         next_parked_check = 0.0
         caught_up = False
@@ -135,19 +139,19 @@ class Worker(threading.Thread):
                 time.sleep(0.2)
                 continue
             caught_up = len(read) < batch
-            with consumer._lock:
-                messages = reader.admit(read, time.monotonic())
-            if messages:
-                try:
-                    self._handle_batch(reader, messages)
-                except _Retry:
-                    caught_up = False
-                    continue
+            try:
+                chunks = admitted_chunks(reader, read, chunk, consumer._lock)
+                if lanes_of > 1:
+                    for messages in chunks:
+                        self._handle_batch(reader, messages)
+                else:
+                    self._handle_plain(reader, chain.from_iterable(chunks))
+            except _Retry:
+                caught_up = False
+                continue
             self._commit_if_due(reader, interval)
 
-    def _commit_and_wait(
-        self, reader: OrderlyPartition, count: int, block_ms: int
-    ) -> list[Message]:
+    def _commit_and_wait(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
         """Caught up: commit what was handled and wait for what comes next, in one round trip
         (the coordinator's commit bookkeeping, the commit sent ahead of the waiting read)."""
         replies: list[Any] = []
@@ -181,7 +185,7 @@ class Worker(threading.Thread):
             return
         self._handle_plain(reader, messages)
 
-    def _handle_plain(self, reader: OrderlyPartition | None, messages: list[Message]) -> None:
+    def _handle_plain(self, reader: OrderlyPartition | None, messages: Iterable[Message]) -> None:
         """Messages in order, the common case in a few steps each: a well-formed message, no
         parked keys, a handler that succeeds at its first attempt. Anything else takes
         _handle_one's path (a failure goes on from its first attempt there), with the same
@@ -191,7 +195,8 @@ class Worker(threading.Thread):
         lock, when the run ends (before anything else is handled, and however the batch ends):
         taking the lock per message made the partitions' threads queue on it. The worker
         commits between batches, so it commits all it handled, as before; a commit() from
-        another thread in the middle of a batch commits up to the last run."""
+        another thread in the middle of a batch commits up to the last run. Only the run's
+        last offset and length are kept: a handled Message is not held here."""
         consumer = self.consumer
         ownership = consumer.ownership
         stopping = consumer._stopping
@@ -201,7 +206,8 @@ class Worker(threading.Thread):
         tp = self.tp
         monotonic = time.monotonic
         pending_acks = self._pending_acks
-        run: list[Message] = []  # orderly: handled, the position not moved over them yet
+        run_last = ""  # orderly: the run handled, the position not moved over it yet
+        run = 0
         try:
             for message in messages:
                 if message.__class__ is not Message or (
@@ -209,7 +215,7 @@ class Worker(threading.Thread):
                     and (reader.parked or (reader.held and message.offset in reader.held))
                 ):
                     if run and reader is not None:
-                        self._advance(reader, run)
+                        run = self._advance(reader, run_last, run)
                     self._handle_one(reader, message, lane=False)
                     continue
                 # Read without the lock: the coordinator replaces the ownership's fields whole,
@@ -228,7 +234,7 @@ class Worker(threading.Thread):
                     raise
                 except Exception as error:
                     if run and reader is not None:
-                        self._advance(reader, run)
+                        run = self._advance(reader, run_last, run)
                     self._failed(message, error)
                     self._attempts(reader, message, lane=False, failure=error)
                     continue
@@ -236,20 +242,22 @@ class Worker(threading.Thread):
                 stats.handled += 1  # consumer.note_handled(1), inlined
                 consumer._last_handled = now
                 if reader is not None:
-                    run.append(message)
+                    run_last = message.offset
+                    run += 1
                     continue
                 if not pending_acks:  # concurrent: XACK with the next read
                     self._ack_since = now
                 pending_acks.append(message.offset)
         finally:
             if run and reader is not None:
-                self._advance(reader, run)
+                self._advance(reader, run_last, run)
 
-    def _advance(self, reader: OrderlyPartition, run: list[Message]) -> None:
-        """The position moves over a run of handled messages (in offset order)."""
+    def _advance(self, reader: OrderlyPartition, last: str, count: int) -> int:
+        """The position moves over a run of `count` handled messages ending at `last`; 0 (the
+        length of the next run)."""
         with self.consumer._lock:
-            reader.handled_through(run[-1].offset, len(run), time.monotonic())
-        run.clear()
+            reader.handled_through(last, count, time.monotonic())
+        return 0
 
     def _handle_in_lanes(self, reader: OrderlyPartition, messages: list[Message]) -> None:
         """Each lane takes its keys in order; the position moves once the whole batch is

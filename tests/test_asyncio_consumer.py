@@ -57,6 +57,7 @@ from tests.aio import (
 )
 from tests.crash import poll_then_crash
 from tests.servers import ServerProcess
+from tests.test_consumer import assert_seek_took_effect, seek_back_after
 from tests.test_malformed import EXPECTED, FOREIGN, assert_dead_lettered, fill, xadd
 
 
@@ -820,6 +821,29 @@ async def test_seek_seek_to_time_position_and_committed(env: Env) -> None:
         # The next member starts after the committed position.
         async with broker.consumer("t", "g", **FAST) as heir:
             assert numbers(await poll_and_ack(heir, 7)) == list(range(3, 10))
+
+
+@aio
+async def test_seek_from_the_handler_takes_effect_before_the_rest_of_the_read(env: Env) -> None:
+    async with env.connect() as broker:
+        await broker.create_topic("t", partitions=1)
+        async with broker.producer() as producer:
+            for n in range(500):
+                producer.send_async("t", json.dumps({"n": n}), key=f"k{n % 5}")
+        seen: list[int] = []
+        consumer_ref: list[object] = [None]
+        record = seek_back_after(10, consumer_ref, seen, [])
+
+        async def handler(message: Message) -> None:
+            record(message)
+
+        consumer = broker.consumer("t", "g", batch_size=1000, **FAST)
+        consumer_ref[0] = consumer
+        try:
+            await consumer.run(handler, idle_timeout=1.5)
+        finally:
+            await consumer.close()
+    assert_seek_took_effect(seen, 10, 500)
 
 
 @aio

@@ -145,6 +145,44 @@ def test_run_orderly_handles_everything_in_key_order(broker: redisq.Broker) -> N
     assert [g["name"] for g in info] == [b"billing"] and info[0]["pending"] == 0
 
 
+def seek_back_after(count: int, consumer_ref: list[object], seen: list[int], offsets: list[str]):
+    """A handler recording each message's number that, after `count` messages, seeks the
+    partition back to the first one (the consumer is looked up when it is needed)."""
+
+    def handler(message: redisq.Message) -> None:
+        seen.append(json.loads(message.value)["n"])
+        offsets.append(message.offset)
+        if len(seen) == count:
+            consumer_ref[0].seek(0, offsets[0])  # type: ignore[attr-defined]
+
+    return handler
+
+
+def assert_seek_took_effect(seen: list[int], count: int, total: int) -> None:
+    """The messages after the seek's: the rest of the read under way is not handled first (a
+    chunk of it may be), then everything again from the seek's offset, in order."""
+    assert seen[:count] == list(range(count))
+    restart = seen.index(0, count)
+    assert seen[count:restart] == list(range(count, restart))
+    assert restart - count < 100, f"{restart - count} messages of the old read after the seek"
+    assert seen[restart:] == list(range(total))
+
+
+def test_seek_from_the_handler_takes_effect_before_the_rest_of_the_read(
+    broker: redisq.Broker,
+) -> None:
+    broker.create_topic("t", partitions=1)
+    with broker.producer() as producer:
+        for n in range(500):
+            producer.send_async("t", json.dumps({"n": n}), key=f"k{n % 5}")
+    seen: list[int] = []
+    consumer_ref: list[object] = [None]
+    with broker.consumer("t", "g", batch_size=1000, **FAST) as consumer:
+        consumer_ref[0] = consumer
+        consumer.run(seek_back_after(10, consumer_ref, seen, []), idle_timeout=1.5)
+    assert_seek_took_effect(seen, 10, 500)
+
+
 def test_key_concurrency_keeps_each_key_in_order(broker: redisq.Broker) -> None:
     broker.create_topic("orders", partitions=1)
     produce(broker, "orders", keys=8, per_key=10)

@@ -29,7 +29,7 @@ from redisq.policies import DeadLetter
 from redisq.protocol import group as calls
 from redisq.protocol.group import Lease
 from redisq.protocol.transactions import InputPosition
-from redisq.records import MalformedMessage, Message
+from redisq.records import MalformedMessage, Message, decode_entries
 
 from .coordinator import Coordinator
 from .worker import handle_partition, is_async_handler
@@ -269,7 +269,8 @@ class Consumer(Coordinator):
                 if reader is not None:
                     if reader.commit_due(now, self._ack_interval_s):
                         await self._commit(tp)
-                    messages = reader.admit(await self.io.read_range(reader, room), now)
+                    entries = await self.io.read_range(reader, room)
+                    messages = reader.admit(decode_entries(*tp, entries), now)
                 else:
                     messages = await self.io.claim_idle(tp, room) or await self.io.read_group(
                         tp, room, [], None

@@ -94,7 +94,8 @@ class AsyncPartitionIO:
             await result
         return replies
 
-    async def read_range(self, reader: OrderlyPartition, count: int) -> list[Message]:
+    async def read_range(self, reader: OrderlyPartition, count: int) -> list[Any]:
+        """See redisq.partition.PartitionIO.read_range (raw entries)."""
         lease = reader.lease
         start, inclusive = reader.next_range()
         commands = calls.fenced_range_commands(self._keys, lease, start, count)
@@ -103,9 +104,7 @@ class AsyncPartitionIO:
         replies = await self._exchange(commands[1][1], commands)
         return PartitionIO.fenced(lease, replies, calls.range_read_reply)
 
-    async def read_waiting(
-        self, reader: OrderlyPartition, count: int, block_ms: int
-    ) -> list[Message]:
+    async def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
         """See redisq.partition.PartitionIO.read_waiting."""
         lease = reader.lease
         commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)

@@ -9,12 +9,14 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, lanes
+from redisq.dispatch import DECODE_CHUNK, OrderlyPartition, admitted_chunks, lanes
 from redisq.errors import LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
@@ -98,6 +100,8 @@ class _Handling:
         interval = consumer._ack_interval_s
         next_parked_check = 0.0
         batch = self.settings.batch_size
+        lanes_of = self.settings.key_concurrency
+        chunk = batch if lanes_of > 1 else DECODE_CHUNK  # lanes take a whole read at once
         caught_up = False
         while self.may_handle():
             owned = consumer.ownership.owned.get(self.tp)
@@ -126,18 +130,21 @@ class _Handling:
                 await asyncio.sleep(0.2)
                 continue
             caught_up = len(read) < batch
-            messages = reader.admit(read, time.monotonic())
-            if messages:
-                try:
-                    await self.handle_batch(reader, messages)
-                except _Retry:
-                    caught_up = False
-                    continue
+            try:
+                chunks = admitted_chunks(reader, read, chunk, nullcontext())
+                if lanes_of > 1:
+                    for messages in chunks:
+                        await self.handle_batch(reader, messages)
+                else:
+                    await self.handle_plain(reader, chain.from_iterable(chunks))
+            except _Retry:
+                caught_up = False
+                continue
             await self.commit_if_due(reader, interval)
 
     async def commit_and_wait(
         self, reader: OrderlyPartition, count: int, block_ms: int
-    ) -> list[Message]:
+    ) -> list[Any]:
         """See redisq.worker.Worker._commit_and_wait."""
         replies: list[Any] = []
 
@@ -182,7 +189,9 @@ class _Handling:
             return
         await self.handle_plain(reader, messages)
 
-    async def handle_plain(self, reader: OrderlyPartition | None, messages: list[Message]) -> None:
+    async def handle_plain(
+        self, reader: OrderlyPartition | None, messages: Iterable[Message]
+    ) -> None:
         """Messages in order, the common case in a few steps each (see
         redisq.worker.Worker._handle_plain); anything else takes handle_one's path, a failure
         going on from its first attempt."""
