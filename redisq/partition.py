@@ -249,8 +249,9 @@ class PartitionIO:
     # -- concurrent: the Redis consumer group ----------------------------------------------------
     def read_group(
         self, tp: TopicPartition, count: int, ack_ids: list[str], block_ms: int | None
-    ) -> list[Message]:
-        """XACK what was handled and XREADGROUP ">" in one write (BLOCK when waiting)."""
+    ) -> list[Any]:
+        """XACK what was handled and XREADGROUP ">" in one write (BLOCK when waiting): the
+        entries read, raw (for decode_entries or decode_lazily)."""
         stream = self._keys.log(*tp)
         read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
         if block_ms is not None:
@@ -262,7 +263,7 @@ class PartitionIO:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return decode_entries(tp[0], tp[1], _stream_entries(replies[-1]))
+        return stream_entries(replies[-1])
 
     def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         """XAUTOCLAIM entries pending longer than claim_idle_ms (a dead member's), now and
@@ -392,7 +393,7 @@ class PartitionIO:
             messages = decode_entries(*tp, self.read_range(reader, count))
             return reader.admit(messages, time.monotonic())
         claimed = self.claim_idle(tp, count)
-        return claimed or self.read_group(tp, count, [], None)
+        return claimed or decode_entries(*tp, self.read_group(tp, count, [], None))
 
     @staticmethod
     def deserialize(
@@ -413,7 +414,7 @@ class PartitionIO:
         self.malformed_log.close()
 
 
-def _stream_entries(reply: Any) -> list[Any]:
+def stream_entries(reply: Any) -> list[Any]:
     """The entries of a raw XREADGROUP reply for one stream (RESP2 list or RESP3 map)."""
     if not reply:
         return []

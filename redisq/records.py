@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import chain
 from typing import Any
 
 from redisq.errors import RedisqError
@@ -389,6 +390,25 @@ def decode_entries(
         s10(m, attempt)
         append(m)
     return messages
+
+
+# run()'s workers (both modes) decode and handle a read this many entries at a time: the
+# Messages of a chunk die once it is handled, so the collector (triggered by how many objects
+# are alive) runs less often and finds fewer to trace. Measured on one 1,000-entry read decoded
+# and handled: 1.45 us per entry in chunks of 64 against 1.77 us all at once (1.23 us with the
+# collector off); chunks of 32 or 128 did no better.
+DECODE_CHUNK = 64
+
+
+def decode_lazily(
+    topic: str, partition: int, entries: list[Any], size: int = DECODE_CHUNK
+) -> Iterator[Message]:
+    """decode_entries for a caller that handles each message before taking the next: `size`
+    entries are decoded at a time, so the Messages it has handled can die young."""
+    return chain.from_iterable(
+        decode_entries(topic, partition, entries[start : start + size])
+        for start in range(0, len(entries), size)
+    )
 
 
 def decode_entry(

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import DECODE_CHUNK, OrderlyPartition, admitted_chunks, lanes
+from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes
 from redisq.errors import InvalidName, LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
 from redisq.protocol.group import Commit, Lease
-from redisq.records import MalformedMessage, Message
+from redisq.records import DECODE_CHUNK, MalformedMessage, Message, decode_lazily
 
 if TYPE_CHECKING:
     from redisq.coordinator import Coordinator
@@ -427,9 +427,9 @@ class Worker(threading.Thread):
                     self._handle_plain(None, claimed)
                     continue
                 ids = self._pending_acks[:1000]
-                messages = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
+                entries = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self._pending_acks[: len(ids)]
-                self._handle_plain(None, messages)
+                self._handle_plain(None, decode_lazily(*self.tp, entries))
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", consumer.name, *self.tp, exc)
                 time.sleep(0.2)

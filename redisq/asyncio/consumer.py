@@ -272,8 +272,8 @@ class Consumer(Coordinator):
                     entries = await self.io.read_range(reader, room)
                     messages = reader.admit(decode_entries(*tp, entries), now)
                 else:
-                    messages = await self.io.claim_idle(tp, room) or await self.io.read_group(
-                        tp, room, [], None
+                    messages = await self.io.claim_idle(tp, room) or decode_entries(
+                        *tp, await self.io.read_group(tp, room, [], None)
                     )
             except LeaseLost:
                 self._lease_lost(tp)

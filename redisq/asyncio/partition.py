@@ -19,7 +19,7 @@ from redisq.dispatch import OrderlyPartition
 from redisq.errors import from_reply
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
-from redisq.partition import MalformedLog, PartitionIO
+from redisq.partition import MalformedLog, PartitionIO, stream_entries
 from redisq.policies import (
     FailurePolicy,
 )
@@ -163,7 +163,8 @@ class AsyncPartitionIO:
     # -- concurrent ------------------------------------------------------------------------------
     async def read_group(
         self, tp: TopicPartition, count: int, ack_ids: list[str], block_ms: int | None
-    ) -> list[Message]:
+    ) -> list[Any]:
+        """See redisq.partition.PartitionIO.read_group (raw entries)."""
         stream = self._keys.log(*tp)
         read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
         if block_ms is not None:
@@ -175,12 +176,7 @@ class AsyncPartitionIO:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        entries = replies[-1]
-        if isinstance(entries, dict):
-            entries = next(iter(entries.values())) if entries else []
-        else:
-            entries = entries[0][1] if entries else []
-        return decode_entries(tp[0], tp[1], entries or [])
+        return stream_entries(replies[-1])
 
     async def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         now = time.monotonic()

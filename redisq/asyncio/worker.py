@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import DECODE_CHUNK, OrderlyPartition, admitted_chunks, lanes
+from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes
 from redisq.errors import LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
 from redisq.protocol.group import Commit, Lease
-from redisq.records import MalformedMessage, Message
+from redisq.records import DECODE_CHUNK, MalformedMessage, Message, decode_lazily
 
 if TYPE_CHECKING:
     from redisq.asyncio.coordinator import Coordinator
@@ -350,9 +350,9 @@ class _Handling:
                     await self.handle_plain(None, claimed)
                     continue
                 ids = self.pending_acks[:1000]
-                messages = await self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
+                entries = await self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self.pending_acks[: len(ids)]
-                await self.handle_plain(None, messages)
+                await self.handle_plain(None, decode_lazily(*self.tp, entries))
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", self.consumer.name, *self.tp, exc)
                 await asyncio.sleep(0.2)
