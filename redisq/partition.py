@@ -199,7 +199,7 @@ class PartitionIO:
     ) -> list[Any]:
         """The raw entries of a fenced read's replies, either driver (parse: range_read_reply or
         wait_read_reply): LeaseLost unless the lease read after the entries is the reader's.
-        The caller decodes them (decode_entries, or dispatch.admit_in_chunks)."""
+        The caller decodes them (decode_entries, or dispatch.admitted_chunks)."""
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply

@@ -24,6 +24,7 @@ import redisq
 from redisq.errors import LeaseLost
 from redisq.group import GroupMembership, Lease, parse_lease
 from redisq.protocol.group import Grant
+from redisq.records import decode_entries
 from tests.servers import ServerProcess, binary_for
 
 # The fenced-read tests: leases so long that member A's coordinator renews nothing and sees no
@@ -143,7 +144,8 @@ def test_waiting_read_returns_nothing_once_the_lease_moved_while_it_waited(
             broker, "g", membership.member, settings, make_policy("block", 5, Backoff())
         )
         reader = OrderlyPartition(grant)
-        reader.admit(io.read_range(reader, 10), time.monotonic())  # caught up: 0 and 1 read
+        entries = io.read_range(reader, 10)  # caught up: 0 and 1 read
+        reader.admit(decode_entries("t", 0, entries), time.monotonic())
         return io, reader
 
     a, b = member("a"), member("b")
@@ -152,7 +154,8 @@ def test_waiting_read_returns_nothing_once_the_lease_moved_while_it_waited(
 
     def wait(name: str, io: PartitionIO, reader: OrderlyPartition) -> None:
         try:
-            outcome[name] = [m.value for m in io.read_waiting(reader, 10, 10_000)]
+            entries = io.read_waiting(reader, 10, 10_000)
+            outcome[name] = [m.value for m in decode_entries("t", 0, entries)]
         except LeaseLost as exc:
             outcome[name] = exc
 
