@@ -307,14 +307,12 @@ def admitted_chunks(
     admitted whole (admit holds back the parked keys' messages). Between chunks, a position
     that moved (a seek, an aborted transaction) ends the read: the next one starts there."""
     topic, partition = reader.tp
-    head = decode_entries(topic, partition, entries[:size])
     whole = len(entries) <= size
-    last = head[-1].offset if whole and head else None
-    if not whole:
-        last = decode_entries(topic, partition, entries[-1:])[0].offset
+    head = decode_entries(topic, partition, entries[:size])
+    last = None if whole else decode_entries(topic, partition, entries[-1:])[0].offset
     with lock:
         now = time.monotonic()
-        if reader.parked:
+        if whole or reader.parked:
             messages = head if whole else decode_entries(topic, partition, entries)
             head, whole = reader.admit(messages, now), True
         else:

@@ -215,7 +215,8 @@ class Worker(threading.Thread):
                     and (reader.parked or (reader.held and message.offset in reader.held))
                 ):
                     if run and reader is not None:
-                        run = self._advance(reader, run_last, run)
+                        self._advance(reader, run_last, run)
+                        run = 0
                     self._handle_one(reader, message, lane=False)
                     continue
                 # Read without the lock: the coordinator replaces the ownership's fields whole,
@@ -234,7 +235,8 @@ class Worker(threading.Thread):
                     raise
                 except Exception as error:
                     if run and reader is not None:
-                        run = self._advance(reader, run_last, run)
+                        self._advance(reader, run_last, run)
+                        run = 0
                     self._failed(message, error)
                     self._attempts(reader, message, lane=False, failure=error)
                     continue
@@ -252,12 +254,10 @@ class Worker(threading.Thread):
             if run and reader is not None:
                 self._advance(reader, run_last, run)
 
-    def _advance(self, reader: OrderlyPartition, last: str, count: int) -> int:
-        """The position moves over a run of `count` handled messages ending at `last`; 0 (the
-        length of the next run)."""
+    def _advance(self, reader: OrderlyPartition, last: str, count: int) -> None:
+        """The position moves over a run of `count` handled messages ending at `last`."""
         with self.consumer._lock:
             reader.handled_through(last, count, time.monotonic())
-        return 0
 
     def _handle_in_lanes(self, reader: OrderlyPartition, messages: list[Message]) -> None:
         """Each lane takes its keys in order; the position moves once the whole batch is
