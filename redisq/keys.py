@@ -166,6 +166,12 @@ class KeySpace:
         window (the slice number it holds is its field "")."""
         return f"{self._partition(topic, partition)}:dedup:{bucket}"
 
+    def tx_mark(self, topic: str, partition: int, mark: str) -> str:
+        """STRING: the stream ID a committed transaction's batch was rolled forward at (mark:
+        transaction id, ":", batch index); a repeated roll-forward finds it and writes nothing.
+        Kept until the transaction is carried out, then for protocol.transactions.MARK_GRACE_MS."""
+        return f"{self._partition(topic, partition)}:txmark:{mark}"
+
     def partition_pattern(self, topic: str, partition: int) -> str:
         """SCAN pattern of every key of one partition."""
         return f"{self._partition(topic, partition)}:*"

@@ -21,7 +21,7 @@ import redis
 
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
-from redisq.errors import InvalidConfig, ProducerClosed, RedisqError
+from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionDecided
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -178,12 +178,27 @@ class Transaction:
         return core.records
 
     def abort(self) -> None:
-        """Nothing of the transaction takes effect; the acked inputs are read again."""
+        """Nothing of the transaction takes effect; the acked inputs are read again.
+
+        TransactionDecided (state "committed") if it had been committed first: a commit() that
+        failed after its decision was stored. It then stands, as records shows, and the acked
+        inputs are not read again."""
         core = self._core
         core.check_open()
         keys, writer, positions = self._tx.keys, self._writer, core.positions()
+        staged, configs = core.staging.staged, core.configs.get
         with ends_on_refusal(self):
-            self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
+            state, results = self._tx.run(
+                lambda: ops.abort_or_outcome(
+                    keys, core.transaction_id, writer, positions, staged, configs
+                )
+            )
+        self._aborted(state, results)
+
+    def _aborted(self, state: str, results: list[BatchResult]) -> None:
+        if state == "committed":
+            self._ended(True, results)
+            raise TransactionDecided("committed")
         self._ended(False)
 
     def _stage(self) -> None:
@@ -289,7 +304,15 @@ class Transactions:
             producer._core.stats.transactions_committed += 1
             return TransactionResult(tx_id, state, records)
         if state is TxState.ROLLBACK:
-            self.run(lambda: ops.abort(keys, tx_id, writer, []))
+            stored, results = self.run(
+                lambda: ops.abort_or_outcome(
+                    keys, tx_id, writer, [], staging.staged, {topic: config}.get
+                )
+            )
+            if stored == "committed":  # the check-back committed it first: that stands
+                records = records_of(staging.staged, results, staging.order)
+                producer._core.stats.transactions_committed += 1
+                return TransactionResult(tx_id, TxState.COMMIT, records)
             producer._core.stats.transactions_aborted += 1
         return TransactionResult(tx_id, state)
 

@@ -11,11 +11,12 @@ half messages with check-back (`producer.send_in_transaction(...)`).
    (tx_hold.lua, only while the consumer's leases are still its own) and stores their new
    positions with the decision.
 3. carry out: a committed transaction's batches are appended to their partitions through
-   tx_apply.lua, whose mark in the partition's dedup ring makes a repeat write nothing (after a
-   crash the producer's next instance, the sweeper, the check-back or a consumer taking over an
-   input partition repeats it); the input positions are applied once (tx_position.lua); then
-   the transaction leaves the registry (tx_finish.lua). An aborted one is only forgotten; an
-   unresolved one (check-back gave up) goes to the group's unresolved topic.
+   tx_apply.lua, whose mark beside each partition makes a repeat write nothing (after a crash
+   the producer's next instance, the sweeper, the check-back or a consumer taking over an input
+   partition repeats it); the input positions are applied once (tx_position.lua); then the
+   transaction leaves the registry (tx_finish.lua) and its marks expire an hour later. An
+   aborted one is only forgotten; an unresolved one (check-back gave up) goes to the group's
+   unresolved topic.
 
 On Redis Cluster the decision lives in the transaction's own slot and each partition's
 roll-forward is one script: every committed transaction ends up whole in its partitions, in
@@ -25,7 +26,7 @@ stage order per partition, which is what Kafka's read_committed promises too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,7 +105,13 @@ def commit(
         holds = yield [tx.hold_input(keys, lease, tx_id) for lease, _ in inputs]
         lost = [r for r in holds if isinstance(r, LeaseLost)]
         if lost:
-            yield from abort(keys, tx_id, writer, [p for _, p in inputs])
+            # A retry whose first attempt decided "committed" (its reply was lost) finds the
+            # inputs moved on: the decision stands, and abort() carried it out.
+            state, results = yield from abort_or_outcome(
+                keys, tx_id, writer, [p for _, p in inputs], batches, configs
+            )
+            if state == "committed":
+                return results
             raise TransactionAborted(f"transaction {tx_id} aborted: {lost[0]}")
         _raise_first(holds)
     positions = [p for _, p in inputs]
@@ -116,7 +123,7 @@ def commit(
         ) from None
     results = yield from roll_forward(keys, tx_id, batches, configs, writer.producer_id)
     yield from apply_positions(keys, tx_id, positions, committed=True)
-    yield from finish(keys, tx_id, writer.name, writer.group)
+    yield from finish(keys, tx_id, writer.name, writer.group, tx.forget_marks(keys, tx_id, batches))
     return results
 
 
@@ -142,6 +149,24 @@ def abort(
         None if writer is None else writer.group,
     )
     return state
+
+
+def abort_or_outcome(
+    keys: KeySpace,
+    tx_id: str,
+    writer: Writer,
+    positions: list[InputPosition],
+    batches: list[StagedBatch],
+    configs: Callable[[str], TopicConfig | None],
+) -> Operation[tuple[str, list[BatchResult]]]:
+    """abort(), for the producer that staged `batches`: the state now stored and, when the
+    transaction turns out to have been committed first (a commit whose reply was lost, or the
+    check-back), what its batches were written as (abort() carried them out; the repeated
+    roll-forward writes nothing and answers their offsets)."""
+    state = yield from abort(keys, tx_id, writer, positions)
+    if state != "committed":
+        return state, []
+    return state, (yield from roll_forward(keys, tx_id, batches, configs, writer.producer_id))
 
 
 # -- carrying out a decision (anyone) ------------------------------------------------------------
@@ -197,11 +222,17 @@ def apply_positions(
         )
 
 
-def finish(keys: KeySpace, tx_id: str, name: str | None, group: str | None) -> Operation[None]:
-    """Forget a carried-out transaction (every step idempotent: one round trip)."""
+def finish(
+    keys: KeySpace, tx_id: str, name: str | None, group: str | None, marks: Sequence[Step] = ()
+) -> Operation[None]:
+    """Forget a carried-out transaction (every step idempotent: one round trip); then, once its
+    staged batches are known to be gone, shorten its roll-forward marks' lives
+    (tx.forget_marks: one more round trip)."""
     _raise_first(
         (yield [*tx.close_record(keys, tx_id), tx.finish(keys, tx_id, name=name, group=group)])
     )
+    if marks:
+        _raise_first((yield list(marks)))
 
 
 def resolve(keys: KeySpace, tx_id: str, *, abort_open: bool = True) -> Operation[str]:
@@ -217,14 +248,16 @@ def resolve(keys: KeySpace, tx_id: str, *, abort_open: bool = True) -> Operation
         if not abort_open:
             return "open"
         return (yield from abort(keys, tx_id, None, []))
+    marks: list[Step] = []
     if record.state == "committed":
         batches = yield tx.read_batches(keys, tx_id)
         configs = yield from _configs(keys, batches)
         yield from roll_forward(keys, tx_id, batches, configs.get, record.producer_id)
         yield from apply_positions(keys, tx_id, record.positions, committed=True)
+        marks = tx.forget_marks(keys, tx_id, batches)
     elif record.state == "unresolved" and record.group:
-        yield from _to_unresolved(keys, record)
-    yield from finish(keys, tx_id, record.name, record.group)
+        marks = yield from _to_unresolved(keys, record)
+    yield from finish(keys, tx_id, record.name, record.group, marks)
     return record.state
 
 
@@ -237,7 +270,7 @@ def _configs(keys: KeySpace, batches: list[StagedBatch]) -> Operation[dict[str, 
     return configs
 
 
-def _to_unresolved(keys: KeySpace, record: TxRecord) -> Operation[None]:
+def _to_unresolved(keys: KeySpace, record: TxRecord) -> Operation[list[Step]]:
     """Check-back gave up: the half messages go to ``<group>~unresolved``, kept, with where they
     were headed in their headers (redisq.tx, redisq.topic, redisq.partition)."""
     assert record.group is not None
@@ -262,6 +295,7 @@ def _to_unresolved(keys: KeySpace, record: TxRecord) -> Operation[None]:
             parts += encode_message(key, message["v"], encode_headers(headers), mid)
         moved.append(StagedBatch(topic, 0, layout, batch.count, b"".join(parts)))
     yield from roll_forward(keys, record.tx_id, moved, {topic: config}.get, record.producer_id, "u")
+    return tx.forget_marks(keys, record.tx_id, moved, "u")
 
 
 # -- the sweeper and the check-back --------------------------------------------------------------

@@ -131,6 +131,33 @@ def test_kafka_crash_at_every_step(
     )
 
 
+def test_kafka_crash_after_apply_recovered_long_after_the_dedup_window(
+    broker: redisq.Broker, server_url: str
+) -> None:
+    """The roll-forward's marks do not depend on the topics' dedup window: "x" is SIGKILLed
+    after its first batch was appended, the topics remember message ids for 1 s only, and the
+    next instance comes more than two windows later: it completes the transaction, and every
+    message is stored once."""
+    broker.create_topic("out", partitions=4, dedup_window_ms=1000)
+    broker.create_topic("audit", partitions=1, dedup_window_ms=1000)
+    sends = kafka_sends("x")
+    crash = CrashAt("tx_apply", 1)
+    options = {"max_batch_messages": 2, "transaction_timeout_ms": 1000}
+    child = Child(
+        kafka_child,
+        server_url,
+        broker.namespace,
+        {"name": "x", "options": options, "sends": sends, "crash": crash},
+    )
+    _, tx_id = child.expect("tx")
+    crashed(child, crash)
+    time.sleep(2.5)  # both slices of the dedup ring have passed
+    successor = broker.producer("x", transactional=True)
+    assert tx_state(broker, tx_id) == "committed" and registry(broker) == []
+    assert_exactly_once(broker, layout(sends), ["out", "audit"])
+    successor.close()
+
+
 # -- consume-transform-produce: killed at every step, the input taken over ------------------------
 
 CTP_POINTS = {

@@ -24,7 +24,7 @@ import redis
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.asyncio.handle import AsyncBrokerHandle
-from redisq.errors import InvalidConfig, RedisqError
+from redisq.errors import InvalidConfig, RedisqError, TransactionDecided
 from redisq.protocol import Operation
 from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
@@ -158,11 +158,23 @@ class Transaction:
         return core.records
 
     async def abort(self) -> None:
+        """As redisq.Transaction.abort."""
         core = self._core
         core.check_open()
         keys, writer, positions = self._tx.keys, await self._writer_now(), core.positions()
+        staged, configs = core.staging.staged, core.configs.get
         with ends_on_refusal(self):
-            await self._tx.run(lambda: ops.abort(keys, core.transaction_id, writer, positions))
+            state, results = await self._tx.run(
+                lambda: ops.abort_or_outcome(
+                    keys, core.transaction_id, writer, positions, staged, configs
+                )
+            )
+        self._aborted(state, results)
+
+    def _aborted(self, state: str, results: list[BatchResult]) -> None:
+        if state == "committed":
+            self._ended(True, results)
+            raise TransactionDecided("committed")
         self._ended(False)
 
     async def _stage(self) -> None:
@@ -270,7 +282,15 @@ class Transactions:
             producer._core.stats.transactions_committed += 1
             return TransactionResult(tx_id, state, records)
         if state is TxState.ROLLBACK:
-            await self.run(lambda: ops.abort(keys, tx_id, writer, []))
+            stored, results = await self.run(
+                lambda: ops.abort_or_outcome(
+                    keys, tx_id, writer, [], staging.staged, {topic: config}.get
+                )
+            )
+            if stored == "committed":  # the check-back committed it first: that stands
+                records = records_of(staging.staged, results, staging.order)
+                producer._core.stats.transactions_committed += 1
+                return TransactionResult(tx_id, TxState.COMMIT, records)
             producer._core.stats.transactions_aborted += 1
         return TransactionResult(tx_id, state)
 

@@ -18,6 +18,11 @@ STATES = ("open", "committed", "aborted", "unresolved")
 # A decided transaction's record stays this long after it was carried out, so a late call of a
 # fenced or paused instance finds the decision instead of opening the transaction again.
 RECORD_KEEP_MS = 24 * 3600 * 1000
+# A roll-forward mark (KeySpace.tx_mark) lives until its transaction is carried out (the expiry
+# is only a bound on what a transaction nobody ever finishes leaves behind), then this long, so a
+# roll-forward that read the staged batches just before they went still finds it.
+MARK_KEEP_MS = 30 * 24 * 3600 * 1000
+MARK_GRACE_MS = 3600 * 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,23 +273,40 @@ def apply_batch(
 ) -> ScriptCall[BatchResult]:
     """tx_apply.lua: roll staged batch `index` forward into its partition, once."""
     topic, p = batch.topic, batch.partition
+    mark = f"{tx_id}:{index}"
     return ScriptCall(
         "tx_apply",
-        (keys.log(topic, p), keys.dedup_bucket(topic, p, 0), keys.dedup_bucket(topic, p, 1)),
         (
-            f"{tx_id}:{index}",
-            config.dedup_window_ms,
+            keys.log(topic, p),
+            keys.dedup_bucket(topic, p, 0),
+            keys.dedup_bucket(topic, p, 1),
+            keys.tx_mark(topic, p, mark),
+        ),
+        (
+            mark,
             config.retention_messages,
             config.retention_ms,
             "" if producer_id is None else producer_id,
             batch.layout,
             batch.count,
+            MARK_KEEP_MS,
         ),
         _applied,
         topic,
         batch.body,
         batch.count * len(batch.layout),
     )
+
+
+def forget_marks(
+    keys: KeySpace, tx_id: str, batches: list[StagedBatch], prefix: str = ""
+) -> list[Step]:
+    """A carried-out transaction's roll-forward marks (batch i's: apply_batch's index
+    prefix + i) expire MARK_GRACE_MS from now."""
+    marks = [
+        keys.tx_mark(b.topic, b.partition, f"{tx_id}:{prefix}{i}") for i, b in enumerate(batches)
+    ]
+    return [Command(("PEXPIRE", mark, MARK_GRACE_MS)) for mark in marks]
 
 
 def hold_input(keys: KeySpace, lease: Lease, tx_id: str) -> ScriptCall[Any]:
