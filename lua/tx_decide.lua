@@ -7,6 +7,9 @@ ARGV[2]  the deciding producer's epoch ("" for recovery: the sweeper, a check-ba
          instance of the producer, which may only abort or complete what is open)
 ARGV[3]  input positions to commit with it, as the client serialized them ("" for none)
 ARGV[4]  "1" when a check-back asked (the record counts the checks)
+ARGV[5]  "1" when the deciding producer staged batches: the record must then exist (a record
+         that expired, long after its transaction timed out, must not let a paused producer
+         commit the batches it still holds)
 
 The decision is written once and is final: the same decision again answers it again (a retry
 after a lost reply), another one is refused. Committed messages are then rolled forward into
@@ -30,7 +33,7 @@ if not record[1] then
   -- Nothing was staged. Recovery (no epoch) finds a transaction it knows nothing of: aborted,
   -- so a late batch of a paused producer is refused. Its producer may commit it (only input
   -- positions, or nothing).
-  if ARGV[1] == 'committed' and ARGV[2] == '' then
+  if ARGV[1] == 'committed' and (ARGV[2] == '' or ARGV[5] == '1') then
     return redis.error_reply('TX_DECIDED state=missing')
   end
   redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decided_ms', now_ms)

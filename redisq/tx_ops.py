@@ -116,7 +116,9 @@ def commit(
         _raise_first(holds)
     positions = [p for _, p in inputs]
     try:
-        yield tx.decide(keys, tx_id, "committed", epoch=writer.epoch, positions=positions)
+        yield tx.decide(
+            keys, tx_id, "committed", epoch=writer.epoch, positions=positions, staged=bool(batches)
+        )
     except TransactionDecided as exc:
         raise TransactionAborted(
             f"transaction {tx_id} was {exc.state} before it could commit"

@@ -204,3 +204,26 @@ def test_late_local_rollback_after_the_check_back_committed(
     [stored] = list(broker.read("orders", p))
     assert [(r.partition, r.offset) for r in result.records] == [(p, stored.offset)]
     assert values_of(broker, "orders") == [b"created"]
+
+
+def test_a_transaction_whose_record_expired_cannot_commit(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """A producer paused for longer than its open transaction's record lives (its timeout plus
+    an hour; here the record and staged batches are deleted as their expiry would) still holds
+    the batches: its commit is refused (TransactionAborted) and nothing reaches the topic."""
+    broker.create_topic("out", partitions=1)
+    producer = driver.producer("slow", transactional=True, max_batch_messages=1)
+    tx = producer.transaction()
+    tx.send("out", b"a", key="k")
+    tx.send("out", b"b", key="k")
+    keys = broker.keys
+    assert broker.client.llen(keys.transaction_messages(tx.transaction_id)) >= 1
+    broker.client.delete(
+        keys.transaction(tx.transaction_id), keys.transaction_messages(tx.transaction_id)
+    )
+    with pytest.raises(redisq.TransactionAborted):
+        tx.commit()
+    assert tx.state == "aborted"
+    assert values_of(broker, "out") == []
+    producer.close()

@@ -230,9 +230,10 @@ def decide(
     epoch: int | None,
     positions: list[InputPosition] | None = None,
     check: bool = False,
+    staged: bool = False,
 ) -> ScriptCall[str]:
     """tx_decide.lua: the final decision (epoch None: recovery, which may only finish what is
-    open)."""
+    open; staged: the deciding producer staged batches, so its record must still exist)."""
     return ScriptCall(
         "tx_decide",
         (keys.transaction(tx_id), keys.transaction_messages(tx_id)),
@@ -241,6 +242,7 @@ def decide(
             "" if epoch is None else epoch,
             encode_positions(positions or []),
             "1" if check else "0",
+            "1" if staged else "0",
         ),
         text,
     )
