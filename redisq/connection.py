@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, unquote
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 
 from redisq.errors import InvalidConfig, UnsupportedServer
@@ -24,24 +25,47 @@ log = logging.getLogger("redisq.connection")
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
-_PASSWORD_FIELD = re.compile(r"((?:^|[?&])[A-Za-z_]*password=)[^&]*")
+# A password= query field's value runs to the next field: an unencoded '&' inside it does not
+# end it unless a `name=` follows.
+_PASSWORD_FIELD = re.compile(r"((?:^|[?&])[A-Za-z_]*password=)[^&]*(?:&(?![A-Za-z_]+=)[^&]*)*")
+# Everything up to the url's LAST '@' is userinfo: a password may hold an unencoded '/', '?',
+# '#' or '@', which end the netloc for urllib (and so for redis-py).
+_USERINFO = re.compile(r"(?P<userinfo>.*)@(?P<hosts>[^@/?#]*)(?P<tail>.*)", re.DOTALL)
 
 
 def redact_url(url: str) -> str:
     """The url with any password (in the userinfo or a password= query field) replaced by ***,
-    for logs, reprs and errors. Works for multi-host urls (redis+sentinel://h1:26379,h2:26379/m)."""
+    for logs, reprs and errors. Works for multi-host urls (redis+sentinel://h1:26379,h2:26379/m)
+    and for passwords whose '/', '?', '#' or '@' are not percent-encoded: what precedes the
+    last '@' is taken as userinfo (an '@' in the path or query then hides more than the
+    password, never less)."""
     if not isinstance(url, str):
         return "<url>"
     scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, tail = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    if at:
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:***@{hosts}"
+    if not sep:  # no scheme ("host:6379", "user:pw@host"): the same rules on the whole text
+        scheme, rest = "", url
+    match = None if rest.startswith("/") else _USERINFO.fullmatch(rest)  # unix:///path: no netloc
+    if match:
+        user = match["userinfo"].partition(":")[0]
+        netloc, tail = f"{user}:***@{match['hosts']}", match["tail"]
+    else:
+        end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+        netloc, tail = rest[:end], rest[end:]
     tail = _PASSWORD_FIELD.sub(r"\1***", tail)
-    return f"{scheme}://{netloc}{slash}{tail}"
+    return f"{scheme}{sep}{netloc}{tail}"
+
+
+def _unparsable(url: str, exc: ValueError) -> InvalidConfig:
+    """A url redis-py (or urllib under it) cannot read. Their messages may quote a piece of the
+    password (urllib: "Port could not be cast to integer value as 'Ab'" for "redis://:Ab/Cd@h"),
+    so only redis-py's own, which quote none, are kept."""
+    detail = str(exc)
+    if not detail.startswith(("Redis URL must specify", "Invalid value for '")):
+        detail = (
+            "percent-encode a password's '/', '?', '#' and '@' (%2F, %3F, %23, %40), and any "
+            "other '@' of the url"
+        )
+    return InvalidConfig(f"cannot read the url {redact_url(url)}: {detail}")
 
 
 def embedded_url() -> str:
@@ -87,14 +111,42 @@ def client_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _refuse_ambiguous(url: str) -> None:
+    """An '@' past the netloc as urllib reads it (up to the first '/', '?' or '#'): a password's
+    unencoded '/', '?' or '#' cut the netloc short, and redis-py would take a piece of the
+    password for a host, port or db (and name it in its errors), or connect without it. Only an
+    '@' in the query of a url whose netloc is plain hosts is a url's own ("?client_name=a@b"),
+    and in a unix socket's path when there is no netloc (unix:///run/user@1/redis.sock)."""
+    rest = url.partition("://")[2]
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    netloc, after = rest[:end], rest[end:]
+    if "@" not in after or (not netloc and url.lower().startswith("unix://")):
+        return
+    path_and_query = after.partition("#")[0]
+    only_in_query = "@" not in after.partition("#")[2] and "@" not in path_and_query.split("?")[0]
+    if only_in_query and netloc and "@" not in netloc and not netloc.endswith(":"):
+        return
+    raise _unparsable(url, ValueError())
+
+
 def url_kind(url: str) -> tuple[str, str]:
-    """("sentinel" | "cluster" | "plain", the url redis-py takes)."""
+    """("sentinel" | "cluster" | "plain", the url redis-py takes). Both open_client()s (sync
+    and asyncio) call it before redis-py sees the url, so an unreadable url fails here, as
+    InvalidConfig naming only the redacted url (sentinel urls: in sentinel_parts)."""
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str, not {type(url).__name__}")
+    _refuse_ambiguous(url)
     scheme = url.split("://", 1)[0].lower()
     if scheme in _SENTINEL_SCHEMES:
         return "sentinel", url
+    kind, target = "plain", url
     if scheme in _CLUSTER_SCHEMES:
-        return "cluster", _CLUSTER_SCHEMES[scheme] + url[len(scheme) :]
-    return "plain", url
+        kind, target = "cluster", _CLUSTER_SCHEMES[scheme] + url[len(scheme) :]
+    try:
+        parse_url(target)  # what Redis.from_url and RedisCluster.from_url run first
+    except ValueError as exc:
+        raise _unparsable(url, exc) from None
+    return kind, target
 
 
 def open_client(url: str, **options: Any) -> Any:
@@ -142,13 +194,24 @@ def sentinel_parts(
     place. user:password authenticate to the master; the query fields sentinel_username /
     sentinel_password to the sentinels; other query fields (ssl_ca_certs, socket_timeout, ...)
     go to redis-py like those of a redis:// url."""
+    try:
+        return _sentinel_parts(url, options)
+    except InvalidConfig:
+        raise
+    except ValueError:  # int() of a port or db quotes it: a piece of a password, maybe
+        raise _unparsable(url, ValueError("Invalid value for 'port' or 'db'")) from None
+
+
+def _sentinel_parts(
+    url: str, options: dict[str, Any]
+) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
     scheme, _, rest = url.partition("://")
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
     userinfo, at, hosts = netloc.rpartition("@")
     segments = [s for s in path.split("/") if s]
     if not hosts or not segments:
-        raise ValueError(
+        raise InvalidConfig(
             f"a sentinel url names hosts and a service: "
             f"redis+sentinel://host:26379[,host2:26379]/mymaster[/db], not {redact_url(url)}"
         )

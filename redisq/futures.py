@@ -4,13 +4,35 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from redisq.errors import InvalidConfig
 from redisq.records import RecordMetadata
 
 log = logging.getLogger("redisq.producer")
+
+# One lock for every batch's callback list: registering a callback is rare, and a lock per batch
+# would cost every batch an allocation. Held only to add to a list or to take it.
+_callbacks_lock = threading.Lock()
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float | None:
+    """A caller's wait in seconds: None (no limit) or a non-negative real number (bool is not
+    one). Checked before anything is queued, so a bad timeout cannot fail a send that was
+    written anyway."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{name} must be None or a number of seconds, not {type(timeout).__name__}")
+    seconds = float(timeout)
+    if not 0 <= seconds <= threading.TIMEOUT_MAX:  # NaN and inf too
+        raise InvalidConfig(
+            f"{name}={timeout!r} is out of range: None or 0..{threading.TIMEOUT_MAX:.0f} seconds"
+        )
+    return seconds
 
 
 class FutureBatch(Protocol):
@@ -36,8 +58,12 @@ def finished(batch: FutureBatch) -> None:
     """The batch is done (acknowledged or failed): wake its waiters, run its callbacks."""
     waiter: Waiter = batch.waiter
     waiter.event.set()
-    if waiter.callbacks:
-        for index, callback in waiter.callbacks:
+    # Taken under the lock after the event is set: add_done_callback() either appended before
+    # (its callback is in the list) or sees the event set (and calls its callback itself).
+    with _callbacks_lock:
+        callbacks, waiter.callbacks = waiter.callbacks, None
+    if callbacks:
+        for index, callback in callbacks:
             try:
                 callback(SendFuture(batch, index))
             except Exception:  # a user's callback must not stop the sender
@@ -57,6 +83,7 @@ class SendFuture:
         return bool(self._batch.waiter.event.is_set())
 
     def result(self, timeout: float | None = None) -> RecordMetadata:
+        timeout = check_timeout(timeout)
         if not self._batch.waiter.event.wait(timeout):
             raise TimeoutError(f"no acknowledgement within {timeout} s")
         if self._batch.error is not None:
@@ -64,15 +91,19 @@ class SendFuture:
         return self._batch.metadata(self._index)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        timeout = check_timeout(timeout)
         if not self._batch.waiter.event.wait(timeout):
             raise TimeoutError(f"no acknowledgement within {timeout} s")
         return self._batch.error
 
     def add_done_callback(self, callback: Callable[[SendFuture], None]) -> None:
+        """Call callback(future) once the message is acknowledged or failed: in the sender's
+        thread, or at once in this one when it already is."""
         waiter: Waiter = self._batch.waiter
-        if waiter.event.is_set():
-            callback(self)
-            return
-        if waiter.callbacks is None:
-            waiter.callbacks = []
-        waiter.callbacks.append((self._index, callback))
+        with _callbacks_lock:  # see finished(): the check and the append are one step
+            if not waiter.event.is_set():
+                if waiter.callbacks is None:
+                    waiter.callbacks = []
+                waiter.callbacks.append((self._index, callback))
+                return
+        callback(self)

@@ -34,7 +34,7 @@ from redisq.errors import (
     RedisqError,
     UnsupportedServer,
 )
-from redisq.futures import SendFuture, Waiter, finished
+from redisq.futures import SendFuture, Waiter, check_timeout, finished
 from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
@@ -297,14 +297,12 @@ class Producer:
         its append time.
         """
         core = self._core
-        if delay_ms is not None or deliver_at is not None:
-            refuse_timestamp_with_delay(timestamp_ms)
-            if core.fatal is not None:
-                raise core.fatal
-            args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
-            return self._delayed.send_async(*args)  # type: ignore[no-any-return]
         if core.fatal is not None or core.closing:
             raise core.fatal or ProducerClosed("send after close()")
+        if delay_ms is not None or deliver_at is not None:
+            refuse_timestamp_with_delay(timestamp_ms)
+            args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
+            return self._delayed.send_async(*args)  # type: ignore[no-any-return]
         cached = self._topics.get(topic)
         now = time.monotonic()
         if cached is None:
@@ -355,9 +353,14 @@ class Producer:
         deliver_at: datetime | None = None,
         timestamp_ms: int | None = None,
     ) -> RecordMetadata:
-        """Send one message and block until it is acknowledged (no linger)."""
+        """Send one message and block until it is acknowledged (no linger). timeout: seconds to
+        wait (None: until delivery_timeout_ms decides); a TimeoutError then says nothing about
+        the message, which may still be delivered."""
+        timeout = check_timeout(timeout)  # before queuing: a bad timeout must not follow a write
         if delay_ms is not None or deliver_at is not None:
             refuse_timestamp_with_delay(timestamp_ms)
+            if self._core.fatal is not None or self._core.closing:
+                raise self._core.fatal or ProducerClosed("send after close()")
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
             return self._delayed.send(*args, timeout=timeout)
         future = self.send_async(
@@ -370,6 +373,7 @@ class Producer:
 
     def transaction(self) -> Transaction:
         """Begin a transaction (Kafka style; `transactional=True`): see redisq.Transaction."""
+        self._refuse_if_closed("transaction()")
         return self._tx().begin()
 
     def send_in_transaction(
@@ -380,6 +384,7 @@ class Producer:
     ) -> TransactionResult:  # fmt: skip
         """A half message (RocketMQ style; `transactional_group=`): staged, then visible only
         if local(tx_id, messages) answers TxState.COMMIT (or check-back does later)."""
+        self._refuse_if_closed("send_in_transaction()")
         return self._tx().send_half(topic, value, key, headers, message_id, partition, local)
 
     def _tx(self) -> Transactions:
@@ -388,8 +393,26 @@ class Producer:
                                 "transactional_group=...)")  # fmt: skip
         return self._transactions
 
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._closed or self._core.closing:
+            raise ProducerClosed(f"{what} after close()")
+
+    def _abort_open_transaction(self) -> None:
+        """close() with a transaction open aborts it (as Kafka's producer does): none of it may
+        be committed by a producer that is gone, and its staged messages go now rather than at
+        its timeout. A failure leaves it to the sweeper, which aborts it at its timeout."""
+        current = self._transactions.current if self._transactions is not None else None
+        if current is None or current.state != "open":
+            return
+        try:
+            current.abort()
+        except Exception as exc:
+            log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
+
     def flush(self, timeout: float | None = None) -> None:
-        """Send everything buffered now and wait until all of it is acknowledged or failed."""
+        """Send everything buffered now and wait until all of it is acknowledged or failed.
+        After close() there is nothing buffered: it returns at once."""
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         core = self._core
         with self._cond:
@@ -406,10 +429,12 @@ class Producer:
         self._delayed.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, then stop the sender thread."""
+        """Abort an open transaction, flush, then stop the sender thread."""
+        timeout = check_timeout(timeout)
         if self._closed:
             return
         if self._transactions is not None:
+            self._abort_open_transaction()
             self._transactions.close()
         try:
             if self._core.fatal is None:

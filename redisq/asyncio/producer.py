@@ -32,6 +32,7 @@ from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced, UnsupportedServer
+from redisq.futures import check_timeout
 from redisq.keys import validate_name
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
@@ -141,7 +142,10 @@ class Producer:
     # -- start: identity -------------------------------------------------------------------------
     async def start(self) -> None:
         """Take the producer's identity (a named one fences its older instances) and start the
-        sender task. Idempotent; send() and send_async() start the producer themselves."""
+        sender task. Idempotent; send() and send_async() start the producer themselves.
+        ProducerClosed after close(): a closed instance must not take a new identity (a named
+        one would fence the live instance of its name)."""
+        self._refuse_if_closed("start()")
         if self._sender is not None:
             return
         if self._starting is None:
@@ -160,6 +164,10 @@ class Producer:
             self._transactions.start()
         self._sender = asyncio.ensure_future(self._run())
         metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
+
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._closed or self._core.closing:
+            raise ProducerClosed(f"{what} after close()")
 
     async def _check_acks_supported(self) -> None:
         client = self.broker.client
@@ -313,10 +321,11 @@ class Producer:
         timestamp_ms: int | None = None,
     ) -> RecordMetadata:
         """Send one message and wait until it is acknowledged (no linger)."""
+        core = self._core
+        if core.fatal is not None or core.closing:  # before _topic_config(), which starts it
+            raise core.fatal or ProducerClosed("send after close()")
         if delay_ms is not None or deliver_at is not None:
             refuse_timestamp_with_delay(timestamp_ms)
-            if self._core.fatal is not None:
-                raise self._core.fatal
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
             return await self._delayed.send(*args)
         cached = self._topics.get(topic)
@@ -334,8 +343,7 @@ class Producer:
             if self._core.fatal is not None:
                 raise self._core.fatal
             await self._wait_progress()
-        core = self._core
-        if core.fatal is not None or core.closing:
+        if core.fatal is not None or core.closing:  # closed while this send waited
             raise core.fatal or ProducerClosed("send after close()")
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
         batch = self._enqueue(
@@ -353,7 +361,9 @@ class Producer:
             pass
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Send everything buffered now and wait until all of it is acknowledged or failed."""
+        """Send everything buffered now and wait until all of it is acknowledged or failed.
+        After close() there is nothing buffered: it returns at once."""
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         core = self._core
         core.flush_requested = True
@@ -372,6 +382,7 @@ class Producer:
     def transaction(self) -> Transaction:
         """A transaction (Kafka style; `transactional=True`): `async with p.transaction() as
         tx` commits on a clean exit and aborts on an exception (see redisq.Transaction)."""
+        self._refuse_if_closed("transaction()")
         return self._tx().begin()
 
     async def send_in_transaction(
@@ -382,6 +393,7 @@ class Producer:
     ) -> TransactionResult:  # fmt: skip
         """A half message (RocketMQ style; see redisq.Producer.send_in_transaction); local may
         be a coroutine function."""
+        self._refuse_if_closed("send_in_transaction()")
         await self.start()
         return await self._tx().send_half(topic, value, key, headers, message_id, partition, local)
 
@@ -391,11 +403,28 @@ class Producer:
                                 "transactional_group=...)")  # fmt: skip
         return self._transactions
 
+    async def _abort_open_transaction(self) -> None:
+        """As redisq.Producer._abort_open_transaction. Not started: the transaction has staged
+        nothing (staging starts the producer), and aborting it must not start it either."""
+        current = self._transactions.current if self._transactions is not None else None
+        if current is None or current.state != "open" or self.identity is None:
+            return
+        try:
+            await current.abort()
+        except Exception as exc:
+            log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
+
     async def close(self, timeout: float | None = None) -> None:
-        """Flush, then stop the sender task."""
+        """Abort an open transaction, flush, then stop the sender task."""
+        timeout = check_timeout(timeout)
         if self._closed:
             return
+        if self._starting is not None and not self._starting.done():
+            # A start() under way ends first: its sender task is then stopped below, not
+            # left running with the identity it took.
+            await asyncio.wait({self._starting})
         if self._transactions is not None:
+            await self._abort_open_transaction()
             await self._transactions.close()
         try:
             if self._core.fatal is None and (self._sender is not None or self._deferred):
