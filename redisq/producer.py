@@ -397,18 +397,6 @@ class Producer:
         if self._closed or self._core.closing:
             raise ProducerClosed(f"{what} after close()")
 
-    def _abort_open_transaction(self) -> None:
-        """close() with a transaction open aborts it (as Kafka's producer does): none of it may
-        be committed by a producer that is gone, and its staged messages go now rather than at
-        its timeout. A failure leaves it to the sweeper, which aborts it at its timeout."""
-        current = self._transactions.current if self._transactions is not None else None
-        if current is None or current.state != "open":
-            return
-        try:
-            current.abort()
-        except Exception as exc:
-            log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
-
     def flush(self, timeout: float | None = None) -> None:
         """Send everything buffered now and wait until all of it is acknowledged or failed.
         After close() there is nothing buffered: it returns at once."""
@@ -434,7 +422,6 @@ class Producer:
         if self._closed:
             return
         if self._transactions is not None:
-            self._abort_open_transaction()
             self._transactions.close()
         try:
             if self._core.fatal is None:

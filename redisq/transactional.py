@@ -324,6 +324,15 @@ class Transactions:
         self._thread.start()
 
     def close(self) -> None:
+        """Abort the open transaction (as Kafka's producer does when closed: none of it may be
+        committed by a producer that is gone, and its staged messages go now rather than at its
+        timeout; a failure leaves it to the sweeper), then stop the background thread."""
+        current = self.current
+        if current is not None and current.state == "open":
+            try:
+                current.abort()
+            except Exception as exc:
+                log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

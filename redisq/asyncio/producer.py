@@ -403,17 +403,6 @@ class Producer:
                                 "transactional_group=...)")  # fmt: skip
         return self._transactions
 
-    async def _abort_open_transaction(self) -> None:
-        """As redisq.Producer._abort_open_transaction. Not started: the transaction has staged
-        nothing (staging starts the producer), and aborting it must not start it either."""
-        current = self._transactions.current if self._transactions is not None else None
-        if current is None or current.state != "open" or self.identity is None:
-            return
-        try:
-            await current.abort()
-        except Exception as exc:
-            log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
-
     async def close(self, timeout: float | None = None) -> None:
         """Abort an open transaction, flush, then stop the sender task."""
         timeout = check_timeout(timeout)
@@ -424,7 +413,6 @@ class Producer:
             # left running with the identity it took.
             await asyncio.wait({self._starting})
         if self._transactions is not None:
-            await self._abort_open_transaction()
             await self._transactions.close()
         try:
             if self._core.fatal is None and (self._sender is not None or self._deferred):

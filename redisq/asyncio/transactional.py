@@ -299,8 +299,16 @@ class Transactions:
         self._task = asyncio.ensure_future(self._background())
 
     async def close(self) -> None:
-        """Stop the background task: a flag it checks each round, and a cancellation, again
-        until it has ended (a check function or a wait_for() may swallow one cancellation)."""
+        """Abort the open transaction (see redisq.transactional.Transactions.close; a producer
+        that never started staged nothing, and aborting must not start it), then stop the
+        background task: a flag it checks each round, and a cancellation, again until it has
+        ended (a check function or a wait_for() may swallow one cancellation)."""
+        current = self.current
+        if current is not None and current.state == "open" and self.producer.identity is not None:
+            try:
+                await current.abort()
+            except Exception as exc:
+                log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
         self._closed = True
         task, self._task = self._task, None
         if task is None:
