@@ -26,6 +26,7 @@ Returns {delivered, next due ms or -1 (nothing scheduled), the server's time in 
 Error replies
   LEASE_LOST        another scheduler holds this partition's lease
   TOPIC_NOT_FOUND   the partition stream does not exist
+  INVALID_CONFIG <name>=<value> ...   a retention argument out of range: nothing delivered
 ]]
 -- #include includes/append.lua
 
@@ -42,6 +43,11 @@ if ttl == 0 then
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
+end
+local invalid = bad_setting('retention_messages', ARGV[3], 0) or
+  bad_setting('retention_ms', ARGV[4], 0)
+if invalid then
+  return redis.error_reply(invalid)
 end
 redis.call('SET', KEYS[5], ARGV[1], 'PX', ttl)
 

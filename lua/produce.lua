@@ -11,11 +11,18 @@ ARGV[6...] the messages, #layout arguments each
 Returns {"OK", first_id}: message i of the batch has ID <ms>-<seq + i> of first_id.
 Error replies
   TOPIC_NOT_FOUND   the partition stream does not exist
+  INVALID_CONFIG <name>=<value> ...   a retention argument out of range: nothing written
 ]]
 -- #include includes/append.lua
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
+end
+
+local invalid = bad_setting('retention_messages', ARGV[2], 0) or
+  bad_setting('retention_ms', ARGV[3], 0)
+if invalid then
+  return redis.error_reply(invalid)
 end
 
 local producer_id = ARGV[1]

@@ -37,12 +37,21 @@ Error replies
   PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this PID is stored here
   UNKNOWN_PRODUCER stored=<e> got=<e>   named producer without its epoch here: nothing written
   OUT_OF_ORDER expected=<n>             a batch before this one is missing: nothing written
+  INVALID_CONFIG <name>=<value> ...     a window, TTL or retention argument out of range: nothing
+                                        written
 ]]
 -- #include includes/append.lua
 -- #include includes/dedup.lua
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
+end
+
+local invalid = bad_setting('dedup_window_ms', ARGV[3], 1) or
+  bad_setting('retention_messages', ARGV[4], 0) or bad_setting('retention_ms', ARGV[5], 0) or
+  bad_setting('state_ttl_ms', ARGV[10], 1)
+if invalid then
+  return redis.error_reply(invalid)
 end
 
 local epoch = tonumber(ARGV[2])

@@ -38,11 +38,18 @@ Error replies
   PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this PID is stored here
   UNKNOWN_PRODUCER stored=<e> got=<e>   named producer without its epoch here: nothing written
   OUT_OF_ORDER expected=<n>             a gap: nothing written, re-send from sequence n
+  INVALID_CONFIG <name>=<value> ...     a TTL or retention argument out of range: nothing written
 ]]
 -- #include includes/append.lua
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
+end
+
+local invalid = bad_setting('state_ttl_ms', ARGV[7], 1) or
+  bad_setting('retention_messages', ARGV[8], 0) or bad_setting('retention_ms', ARGV[9], 0)
+if invalid then
+  return redis.error_reply(invalid)
 end
 
 local epoch = tonumber(ARGV[2])

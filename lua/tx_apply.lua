@@ -31,6 +31,11 @@ Error replies
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
+local invalid = bad_setting('retention_messages', ARGV[2], 0) or
+  bad_setting('retention_ms', ARGV[3], 0) or bad_setting('mark expiry', ARGV[7], 1)
+if invalid then
+  return redis.error_reply(invalid)
+end
 local earlier = redis.call('GET', KEYS[4])
 if earlier then
   return {'DUP', earlier}

@@ -32,6 +32,7 @@ from typing import Any
 
 from redisq.errors import (
     DeliveryTimeout,
+    InvalidConfig,
     OutOfOrderSequence,
     ProducerFenced,
     RedisqError,
@@ -371,9 +372,9 @@ class ProducerCore:
         if isinstance(error, ProducerFenced):
             self.fail_all(error, fatal=True)
             return
-        if isinstance(error, TopicNotFound):
-            # Checked before any write: nothing of this partition's tail was written, so its
-            # sequences can be handed out again.
+        if isinstance(error, TopicNotFound | InvalidConfig):
+            # Checked before any write (a topic deleted, or metadata out of range): nothing of
+            # this partition's tail was written, so its sequences can be handed out again.
             state = self.partitions[(batch.topic, batch.partition)]
             for failed in list(state.unacked):
                 failed.error = error

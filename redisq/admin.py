@@ -14,9 +14,11 @@ from redisq.errors import InvalidConfig, TopicExists, TopicInUse, TopicNotFound,
 from redisq.keys import KeySpace, validate_topic
 from redisq.protocol import Command, Operation, Step, optional_text, text
 from redisq.protocol import admin as scripts
+from redisq.records import MAX_STREAM_ID_PART, offset_parts
 from redisq.topic import (
     DEFAULT_DEDUP_WINDOW_MS,
     DEFAULT_PRODUCER_STATE_TTL_MS,
+    MAX_TOPIC_SETTING,
     PartitionInfo,
     TopicConfig,
     TopicDescription,
@@ -70,12 +72,12 @@ def create_topic(
     also be written). With exist_ok, an existing topic is returned as it is."""
     validate_topic(topic)
     check_int("partitions", partitions, minimum=1, maximum=MAX_PARTITIONS)
-    check_int("retention_ms", retention_ms)
-    check_int("retention_messages", retention_messages)
-    check_int("producer_state_ttl_ms", producer_state_ttl_ms, minimum=1000)
+    check_int("retention_ms", retention_ms, 0, MAX_TOPIC_SETTING)
+    check_int("retention_messages", retention_messages, 0, MAX_TOPIC_SETTING)
+    check_int("producer_state_ttl_ms", producer_state_ttl_ms, 1000, MAX_TOPIC_SETTING)
     if dedup_window_ms is None:
         dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
-    check_int("dedup_window_ms", dedup_window_ms, minimum=1000)
+    check_int("dedup_window_ms", dedup_window_ms, 1000, MAX_TOPIC_SETTING)
     existing = yield from read_config(keys, topic)
     if existing is not None:
         if exist_ok:
@@ -165,6 +167,47 @@ def _first_score(reply: Any) -> int | None:
     return int(float(pair[1]))
 
 
+READ_OPEN_BOUNDS = ("-", "+")
+
+
+def check_read(
+    start: object, end: object, count: object, batch: object, on_malformed: object
+) -> None:
+    """The arguments of Broker.read (sync and asyncio), checked before the first XRANGE: start
+    and end are "-", "+", a stream ID (records.offset_parts; "<ms>" alone is the whole
+    millisecond, as XRANGE reads it) or "(" and an ID (exclusive)."""
+    if on_malformed not in ("yield", "raise"):
+        raise InvalidConfig(f"on_malformed={on_malformed!r}: expected 'yield' or 'raise'")
+    _check_read_bound("start", start)
+    _check_read_bound("end", end)
+    if count is not None:
+        check_int("count", count, 0)
+    check_int("batch", batch, 1, 100_000)
+
+
+def _check_read_bound(name: str, bound: object) -> None:
+    if not isinstance(bound, str):
+        raise TypeError(f"{name} must be a stream ID str, not {type(bound).__name__}")
+    if bound in READ_OPEN_BOUNDS:
+        return
+    offset = bound.removeprefix("(")
+    try:
+        ms, seq = offset_parts(offset)
+    except ValueError:
+        raise InvalidConfig(
+            f"{name}={bound!r}: expected a stream ID <ms>-<seq>, '-' or '+' (or '(' and an ID, "
+            "exclusive)"
+        ) from None
+    if offset != bound:  # exclusive: XRANGE refuses a bound with no ID on its open side
+        nothing = (
+            (ms, seq) == (MAX_STREAM_ID_PART, MAX_STREAM_ID_PART)
+            if name == "start"
+            else (ms, seq) == (0, 0) and "-" in offset
+        )
+        if nothing:
+            raise InvalidConfig(f"{name}={bound!r}: no stream ID lies beyond it")
+
+
 def list_topics(keys: KeySpace) -> Operation[list[str]]:
     members = yield Command(("SMEMBERS", keys.topics()))
     return sorted(text(m) for m in members)
@@ -213,6 +256,12 @@ def delete_topic(
 def trim(keys: KeySpace, topic: str) -> Operation[int]:
     """Apply the topic's retention to every partition now (exact trims); entries removed."""
     config = yield from topic_config(keys, topic)
+    for name in ("retention_ms", "retention_messages"):  # stored by another client, or older
+        value = getattr(config, name)
+        if not 0 <= value <= MAX_TOPIC_SETTING:
+            raise InvalidConfig(
+                f"topic {topic!r}: {name}={value} is out of range: 0..{MAX_TOPIC_SETTING}"
+            )
     now = yield Command(("TIME",), server_ms)
     steps: list[Step] = []
     for p in range(config.partitions):

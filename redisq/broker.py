@@ -11,7 +11,7 @@ from redis.cluster import RedisCluster
 
 from redisq import admin, connection, transaction_admin
 from redisq.admin import MAX_PARTITIONS
-from redisq.errors import InvalidConfig, InvalidName, PartitionOutOfRange, TopicNotFound
+from redisq.errors import InvalidName, PartitionOutOfRange, TopicNotFound
 from redisq.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.protocol import Operation, run_operation
 from redisq.records import MalformedMessage, Message, decode_entries
@@ -88,7 +88,8 @@ class Broker:
 
         retention_ms trims by age (MINID), retention_messages by count per partition (MAXLEN);
         0 keeps forever. dedup_window_ms is how long message ids are remembered
-        (idempotence="message_id"); by default the retention age, else 24 h.
+        (idempotence="message_id"); by default the retention age, else 24 h. Each of these
+        and producer_state_ttl_ms is at most 2**53 - 1 (the scripts' numbers are doubles).
         With exist_ok, an existing topic is returned as it is.
         """
         config = self._run(
@@ -218,9 +219,10 @@ class Broker:
         yielded in its place as a records.MalformedMessage with what could be read (offset,
         timestamp, key, value, message id; headers, producer id and sequence when valid), its
         reason and its raw fields: a reader sees every entry, and one bad entry stops nothing.
-        on_malformed="raise" raises records.MalformedEntry naming its offset instead."""
-        if on_malformed not in ("yield", "raise"):
-            raise InvalidConfig(f"on_malformed={on_malformed!r}: expected 'yield' or 'raise'")
+        on_malformed="raise" raises records.MalformedEntry naming its offset instead.
+        start and end: "-", "+", a stream ID, or "(" and an ID (exclusive); count: at most this
+        many; batch: entries per XRANGE."""
+        admin.check_read(start, end, count, batch, on_malformed)
         self.check_partition(topic, partition)
         key = self.keys.log(topic, partition)
         returned = 0

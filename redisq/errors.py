@@ -215,6 +215,9 @@ def from_reply(message: str, topic: str = "?") -> RedisqError | None:
         return TopicExists(topic)
     if message.startswith("LEASE_LOST"):
         return LeaseLost(f"topic {topic!r} " + message.removeprefix("LEASE_LOST").strip())
+    if message.startswith("INVALID_CONFIG"):
+        detail = message.removeprefix("INVALID_CONFIG").strip()
+        return InvalidConfig(f"topic {topic!r}: {detail}")
     if message.startswith("GROUP_MODE"):
         return GroupModeMismatch(f"topic {topic!r}: " + message.removeprefix("GROUP_MODE").strip())
     return None

@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from redisq.errors import InvalidConfig
+from redisq.errors import check_int
 from redisq.keys import validate_name
 from redisq.records import Message
+from redisq.topic import MAX_TOPIC_SETTING
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle as Broker
@@ -55,12 +56,9 @@ class IdempotentHandler:
         processing_ttl_ms: int = 60_000,
         wait_poll_s: float = 0.05,
     ) -> None:
-        if done_ttl_ms < 1000:
-            raise InvalidConfig(f"done_ttl_ms={done_ttl_ms} is out of range: 1000 or more")
-        if processing_ttl_ms < 100:
-            raise InvalidConfig(
-                f"processing_ttl_ms={processing_ttl_ms} is out of range: 100 or more"
-            )
+        # SET PX takes whole milliseconds; the bound is the topics' (2**53 - 1).
+        check_int("done_ttl_ms", done_ttl_ms, 1000, MAX_TOPIC_SETTING)
+        check_int("processing_ttl_ms", processing_ttl_ms, 100, MAX_TOPIC_SETTING)
         self._broker = broker
         self._handler = handler
         self.scope = validate_name("scope", scope)

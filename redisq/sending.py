@@ -69,6 +69,20 @@ def as_bytes(what: str, value: object) -> bytes:
     raise TypeError(f"{what} must be bytes or str, not {type(value).__name__}")
 
 
+def _check_partition_type(partition: object) -> None:
+    if isinstance(partition, bool) or not isinstance(partition, int):
+        raise TypeError(f"partition must be an int, not {type(partition).__name__}")
+
+
+def _timestamp_field(timestamp_ms: object) -> bytes:
+    """A send()'s timestamp_ms, checked, as the entry's field t."""
+    if isinstance(timestamp_ms, bool) or not isinstance(timestamp_ms, int):
+        raise TypeError(f"timestamp_ms must be an int, not {type(timestamp_ms).__name__}")
+    if not 0 <= timestamp_ms <= MAX_TIMESTAMP_MS:
+        raise ValueError(f"timestamp_ms={timestamp_ms}: ms since the epoch, 0 to 2**48")
+    return b"%d" % timestamp_ms
+
+
 class Encoded:
     """One checked, encoded message: where it goes and its RESP pieces."""
 
@@ -111,11 +125,18 @@ class MessageEncoder:
         key: bytes | str | None,
         headers: Mapping[str, str | bytes] | None,
         message_id: bytes | str | int | None,
+        partition: int | None = None,
+        timestamp_ms: int | None = None,
     ) -> None:
-        """The checks of encode() that need no topic: types, sizes, an empty key or id."""
+        """The checks of encode() that need no topic: types, sizes, an empty key or id, the
+        partition's type, the timestamp. (Only a partition's range needs the topic.)"""
         if self._serializing:
             value, key = self.serialize(value, key)
         self._fields(value, key, headers, message_id, generate=False)
+        if partition is not None:
+            _check_partition_type(partition)
+        if timestamp_ms is not None:
+            _timestamp_field(timestamp_ms)
 
     def _fields(
         self,
@@ -138,8 +159,6 @@ class MessageEncoder:
         headers_b = encode_headers(headers) if headers else None
         if headers_b:
             size += len(headers_b)
-        if size > self._max_bytes:
-            raise MessageTooLarge(size, self._max_bytes)
         mid: bytes | None = None
         if message_id is not None:
             if isinstance(message_id, int) and not isinstance(message_id, bool):
@@ -148,8 +167,12 @@ class MessageEncoder:
                 mid = as_bytes("message_id", message_id)
             if not mid:
                 raise ValueError("message_id must not be empty")
-        elif self._ids is not None and generate:
+            size += len(mid)  # the caller's bytes: key, value, headers and id
+        if size > self._max_bytes:
+            raise MessageTooLarge(size, self._max_bytes)
+        if mid is None and self._ids is not None and generate:
             mid = self._ids.next_id()
+            size += len(mid)  # not held against max_message_bytes, but it fills the batch
         return value, key, headers_b, mid, size
 
     def encode(
@@ -180,8 +203,7 @@ class MessageEncoder:
         value, key, headers_b, mid, size = self._fields(value, key, headers, message_id)
         partitions = config.partitions
         if partition is not None:
-            if isinstance(partition, bool) or not isinstance(partition, int):
-                raise TypeError(f"partition must be an int, not {type(partition).__name__}")
+            _check_partition_type(partition)
             if not 0 <= partition < partitions:
                 raise errors.PartitionOutOfRange(config.name, partition, partitions)
         elif self._selector is not None:
@@ -197,11 +219,7 @@ class MessageEncoder:
         layout = LAYOUTS[key is not None, headers_b is not None, mid is not None]
         parts = encode_message(key, value, headers_b, mid)
         if timestamp_ms is not None:  # Kafka's CreateTime: the entry's field t
-            if isinstance(timestamp_ms, bool) or not isinstance(timestamp_ms, int):
-                raise TypeError(f"timestamp_ms must be an int, not {type(timestamp_ms).__name__}")
-            if not 0 <= timestamp_ms <= MAX_TIMESTAMP_MS:
-                raise ValueError(f"timestamp_ms={timestamp_ms}: ms since the epoch, 0 to 2**48")
-            stamp = b"%d" % timestamp_ms
+            stamp = _timestamp_field(timestamp_ms)
             layout += "t"
             parts += (_BULK[len(stamp)], stamp, _CRLF)
         return Encoded(partition, layout, parts, size)
@@ -247,7 +265,12 @@ class MessageEncoder:
                     )
                 if type(message_id) is str:
                     message_id = message_id.encode()
-                if type(message_id) is bytes and message_id and len(message_id) < 4096:
+                if (
+                    type(message_id) is bytes
+                    and message_id
+                    and len(message_id) < 4096
+                    and size + len(message_id) <= self._max_bytes
+                ):  # fmt: skip
                     return (
                         _crc32(key) % config.partitions,
                         "kvm",
@@ -255,7 +278,7 @@ class MessageEncoder:
                             (_BULK[key_len], key, _CRLF, _BULK[value_len], value, _CRLF,
                              _BULK[len(message_id)], message_id, _CRLF)
                         ),
-                        size,
+                        size + len(message_id),
                     )  # fmt: skip
         message = self._encode(config, value, key, headers, message_id, partition, timestamp_ms)
         return message.partition, message.layout, message.parts, message.size

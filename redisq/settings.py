@@ -102,18 +102,18 @@ class ProducerSettings:
         if self.acks not in ACKS:
             raise InvalidConfig(f"acks={self.acks!r}: choose one of {ACKS}")
         check_number("linger_ms", self.linger_ms, 0, 60_000)
-        check_number("max_batch_messages", self.max_batch_messages, 1, 10_000)
-        check_number("max_batch_bytes", self.max_batch_bytes, 1024, 64 << 20)
-        check_number("max_in_flight", self.max_in_flight, 1, 100)
-        check_number("window", self.window, 1, 1000)
-        check_number("max_message_bytes", self.max_message_bytes, 1, 512 << 20)
-        check_number("delivery_timeout_ms", self.delivery_timeout_ms, 100, 24 * 3600 * 1000)
-        check_number("retry_backoff_ms", self.retry_backoff_ms, 1, 60_000)
-        check_number("max_buffered_messages", self.max_buffered_messages, 1, 100_000_000)
-        check_number("max_block_ms", self.max_block_ms, 0, 3_600_000)
-        check_number("min_replicas", self.min_replicas, 1, 100)
-        check_number("ack_timeout_ms", self.ack_timeout_ms, 0, 3_600_000)
-        check_number("metadata_max_age_ms", self.metadata_max_age_ms, 100, 3_600_000)
+        check_int("max_batch_messages", self.max_batch_messages, 1, 10_000)
+        check_int("max_batch_bytes", self.max_batch_bytes, 1024, 64 << 20)
+        check_int("max_in_flight", self.max_in_flight, 1, 100)
+        check_int("window", self.window, 1, 1000)
+        check_int("max_message_bytes", self.max_message_bytes, 1, 512 << 20)
+        check_int("delivery_timeout_ms", self.delivery_timeout_ms, 100, 24 * 3600 * 1000)
+        check_int("retry_backoff_ms", self.retry_backoff_ms, 1, 60_000)
+        check_int("max_buffered_messages", self.max_buffered_messages, 1, 100_000_000)
+        check_int("max_block_ms", self.max_block_ms, 0, 3_600_000)
+        check_int("min_replicas", self.min_replicas, 1, 100)
+        check_int("ack_timeout_ms", self.ack_timeout_ms, 0, 3_600_000)
+        check_int("metadata_max_age_ms", self.metadata_max_age_ms, 100, 3_600_000)
         if self.idempotence == "sequence" and self.window < self.max_in_flight:
             raise InvalidConfig(
                 f"window={self.window} must be >= max_in_flight={self.max_in_flight}: a re-sent "
@@ -143,10 +143,10 @@ class ProducerSettings:
                 raise TypeError(f"check must be callable, not {type(self.check).__name__}")
             if self.transactional_group is None:
                 raise InvalidConfig("check= needs transactional_group=: the group it answers for")
-        check_number("transaction_timeout_ms", self.transaction_timeout_ms, 1_000, 24 * 3600 * 1000)
-        check_number("check_first_ms", self.check_first_ms, 10, 24 * 3600 * 1000)
-        check_number("check_interval_ms", self.check_interval_ms, 10, 24 * 3600 * 1000)
-        check_number("max_checks", self.max_checks, 1, 10_000)
+        check_int("transaction_timeout_ms", self.transaction_timeout_ms, 1_000, 24 * 3600 * 1000)
+        check_int("check_first_ms", self.check_first_ms, 10, 24 * 3600 * 1000)
+        check_int("check_interval_ms", self.check_interval_ms, 10, 24 * 3600 * 1000)
+        check_int("max_checks", self.max_checks, 1, 10_000)
 
 
 MODES = ("orderly", "concurrent")

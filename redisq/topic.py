@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 DEFAULT_DEDUP_WINDOW_MS = 24 * 3600 * 1000
 DEFAULT_PRODUCER_STATE_TTL_MS = 24 * 3600 * 1000
+# The largest retention, dedup window or producer state TTL (ms or messages): 2**53 - 1, the
+# largest integer a Lua number (a double) holds exactly. The scripts use these in XTRIM and
+# PEXPIRE, which refuse anything larger (and produce.lua refuses it before it appends).
+MAX_TOPIC_SETTING = (1 << 53) - 1
 
 
 @dataclass(frozen=True, slots=True)

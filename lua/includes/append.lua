@@ -15,6 +15,22 @@ local function server_now_ms()
   return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 end
 
+-- bad_setting(name, arg, minimum): an error reply text if ARGV value `arg` (a topic's retention,
+-- dedup window or state TTL) is not a whole number from minimum to 2^53 - 1, else nil. The scripts
+-- check these before anything is written: XTRIM and PEXPIRE refuse such a value, and they run
+-- after the XADDs, which would leave a batch written behind an error reply. 2^53 - 1 is the
+-- largest integer a Lua number (a double) holds exactly (redisq.topic.MAX_TOPIC_SETTING).
+local function bad_setting(name, arg, minimum)
+  if #arg <= 16 and string.find(arg, '^%d+$') then
+    local n = tonumber(arg)
+    if n >= minimum and n <= 9007199254740991 then
+      return nil
+    end
+  end
+  return 'INVALID_CONFIG ' .. name .. '=' .. string.sub(arg, 1, 40) .. ' is out of range: '
+    .. minimum .. '..2^53-1'
+end
+
 -- append_messages(stream, layout, first, count, producer_id, seq_first, claim)
 --   Appends `count` messages whose arguments start at ARGV[first], #layout arguments each.
 --   producer_id (or nil) is stored as field p; with seq_first, field s = ARGV[seq_first + i]

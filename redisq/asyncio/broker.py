@@ -16,11 +16,9 @@ from redis.asyncio.cluster import RedisCluster
 from redisq import admin, connection, transaction_admin
 from redisq.asyncio.client import AsyncScripts, open_client, resolve_url, run_operation
 from redisq.errors import (
-    InvalidConfig,
     InvalidName,
     PartitionOutOfRange,
     TopicNotFound,
-    check_int,
 )
 from redisq.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.records import MalformedMessage, Message, decode_entries
@@ -201,10 +199,8 @@ class Broker:
         on_malformed: str = "yield",
     ) -> AsyncIterator[Message]:
         """See redisq.Broker.read: messages of one partition in offset order (XRANGE)."""
-        if on_malformed not in ("yield", "raise"):
-            raise InvalidConfig(f"on_malformed={on_malformed!r}: expected 'yield' or 'raise'")
+        admin.check_read(start, end, count, batch, on_malformed)
         await self.check_partition(topic, partition)
-        check_int("batch", batch, 1, 100_000)
         key = self.keys.log(topic, partition)
         returned = 0
         cursor = start

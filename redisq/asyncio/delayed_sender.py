@@ -83,7 +83,7 @@ class DelayedSender:
         if cached is not None and fresh and not self._deferred and self._identity() is not None:
             self._enqueue(cached[1], args, future)
             return future
-        self._encoder.check(*args[1:5])  # types and sizes now; routing once the metadata is in
+        self._encoder.check(*args[1:6])  # types and sizes now; routing once the metadata is in
         self._deferred.append((args, future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.ensure_future(self._drain_deferred())

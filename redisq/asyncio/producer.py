@@ -33,7 +33,7 @@ from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced, UnsupportedServer
 from redisq.futures import check_timeout
-from redisq.keys import validate_name
+from redisq.keys import validate_name, validate_topic
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, script_for
@@ -246,7 +246,8 @@ class Producer:
             # Type and size checks now, whatever the topic; routing once its metadata is in. The
             # buffer counts the deferred messages: one accepted here is one the buffer has room
             # for when its topic is loaded.
-            self._encoder.check(value, key, headers, message_id)
+            validate_topic(topic)
+            self._encoder.check(value, key, headers, message_id, partition, timestamp_ms)
             if core.buffered + len(self._deferred) >= self.settings.max_buffered_messages:
                 raise self._buffer_full()
             self._deferred.append(
