@@ -156,7 +156,7 @@ class MessageEncoder:
             if not key:
                 raise ValueError("key must not be empty; use key=None for a message without a key")
             size += len(key)
-        headers_b = encode_headers(headers) if headers else None
+        headers_b = (encode_headers(headers) or None) if headers is not None else None
         if headers_b:
             size += len(headers_b)
         mid: bytes | None = None

@@ -356,3 +356,16 @@ async def test_first_send_async_raises_bad_input_at_once(env: Env) -> None:
                 with pytest.raises(error):
                     producer.send_async(topic, b"v", **options)
     assert length(env.sync, "t") == 0
+
+
+@pytest.mark.parametrize("headers", [[], (), [("a", "b")], "a=b"], ids=repr)
+def test_headers_that_are_not_a_mapping_are_refused(broker: redisq.Broker, headers: Any) -> None:
+    """An empty list is a mistake as much as a full one: TypeError, nothing written; {} is no
+    headers."""
+    broker.create_topic("t", partitions=1)
+    with broker.producer() as producer:
+        with pytest.raises(TypeError, match="headers must be a mapping"):
+            producer.send("t", b"v", headers=headers)
+        producer.send("t", b"v", headers={})
+    [stored] = list(broker.read("t", 0))
+    assert stored.headers == {}
