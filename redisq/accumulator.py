@@ -40,7 +40,7 @@ from redisq.errors import (
     UnknownProducer,
 )
 from redisq.protocol.produce import BatchResult
-from redisq.records import RecordMetadata, batch_metadata, offset_at
+from redisq.records import MAX_STREAM_ID_PART, RecordMetadata, batch_metadata, offset_at
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 
@@ -138,6 +138,8 @@ class Batch:
             return [RecordMetadata(self.topic, self.partition, None, self.duplicate)] * self.count
         ms, _, seq = self.first_id.partition("-")
         first = int(seq)
+        if first + self.count > MAX_STREAM_ID_PART:  # the sequence carries into the ms
+            return [self.metadata(i) for i in range(self.count)]
         prefix = ms + "-"
         offsets = [prefix + s for s in map(str, range(first, first + self.count))]
         return batch_metadata(self.topic, self.partition, offsets, self.duplicate)

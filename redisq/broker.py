@@ -14,7 +14,7 @@ from redisq.admin import MAX_PARTITIONS
 from redisq.errors import InvalidName, PartitionOutOfRange, TopicNotFound
 from redisq.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.protocol import Operation, run_operation
-from redisq.records import MalformedMessage, Message, decode_entries
+from redisq.records import MalformedMessage, Message, decode_entries, offset_after
 from redisq.scripts import Scripts, is_fake
 from redisq.settings import ConsumerOptions, ProducerOptions
 from redisq.topic import (
@@ -237,10 +237,10 @@ class Broker:
                     raise message.error()
                 yield message
             returned += len(entries)
-            last = entries[-1][0].decode()
-            cursor = "(" + last
-            if len(entries) < size:
+            after = offset_after(entries[-1][0].decode())
+            if after is None or len(entries) < size:
                 return
+            cursor = after
 
     # -- producers ---------------------------------------------------------------------------
     def producer(self, name: str | None = None, **options: Unpack[ProducerOptions]) -> Producer:

@@ -28,6 +28,7 @@ from redisq.errors import (
 )
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.protocol.group import parse_lease
+from redisq.records import offset_after
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle as Broker
@@ -152,14 +153,16 @@ def _text(value: Any) -> str | None:
 
 def _count_after(broker: Broker, key: str, last_delivered: str | None, cap: int = COUNT_CAP) -> int:
     """Entries after last_delivered (when Redis cannot tell the lag), counted up to cap."""
-    start = "(" + last_delivered if last_delivered and last_delivered != "0-0" else "-"
+    start: str | None = "-"
+    if last_delivered and last_delivered != "0-0":
+        start = offset_after(last_delivered)
     count = 0
-    while count < cap:
+    while start is not None and count < cap:
         entries = broker.client.xrange(key, min=start, max="+", count=1000)
         count += len(entries)
         if len(entries) < 1000:
             break
-        start = "(" + entries[-1][0].decode()
+        start = offset_after(entries[-1][0].decode())
     return count
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from redisq.errors import InvalidConfig, PartitionOutOfRange
 from redisq.group_admin import refuse_if_live, require_group, stream_group
-from redisq.records import offset_parts
+from redisq.records import MAX_STREAM_ID, offset_after, offset_before, offset_parts
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle as Broker
@@ -196,7 +196,10 @@ def _last_before(broker: Broker, stream: str, offset: str) -> str:
     """The position from which the next read starts at the first entry at or after offset."""
     if offset_parts(offset) == (0, 0):  # nothing comes before it ("(0-0" is no valid bound)
         return "0-0"
-    entries = broker.client.xrevrange(stream, max="(" + offset, min="-", count=1)
+    before = offset_before(offset)
+    if before is None:
+        return "0-0"
+    entries = broker.client.xrevrange(stream, max=before, min="-", count=1)
     return _entry_id(entries[0]) if entries else "0-0"
 
 
@@ -206,7 +209,10 @@ def _entry_id(entry: Any) -> str:
 
 def _shift(broker: Broker, stream: str, base: str, by: int) -> str:
     if by > 0:
-        entries = broker.client.xrange(stream, min="(" + base, max="+", count=by)
+        first = offset_after(base)
+        if first is None:  # base is the largest stream ID: nothing comes after it
+            return base
+        entries = broker.client.xrange(stream, min=first, max="+", count=by)
         return _entry_id(entries[-1]) if entries else base
     if by < 0:  # the entries at or before base, newest first: base's own entry comes first
         entries = broker.client.xrevrange(stream, max=base, min="-", count=-by + 1)
@@ -224,12 +230,19 @@ def _lag(
 
 def _count_capped(broker: Broker, stream: str, after: str, last: str) -> int | None:
     """Entries after `after` up to the stream's last ID, counted inside the server (count_range
-    takes an exclusive end: the ID after the last); None past COUNT_CAP."""
-    ms, seq = offset_parts(last)
+    takes an exclusive end: the ID after the last); None past COUNT_CAP. No ID comes after the
+    largest: nothing is after it, and an entry at it is counted apart."""
+    first = offset_after(after)
+    if first is None:
+        return 0
+    end = offset_after(last)
     count, _last = broker.scripts.call(
-        "count_range", [stream], ["(" + after, f"{ms}-{seq + 1}", COUNT_CAP + 1], topic=stream
+        "count_range", [stream], [first, end or MAX_STREAM_ID, COUNT_CAP + 1], topic=stream
     )
-    return None if int(count) > COUNT_CAP else int(count)
+    count = int(count)
+    if end is None and broker.client.xrange(stream, min=MAX_STREAM_ID, max=MAX_STREAM_ID):
+        count += 1
+    return None if count > COUNT_CAP else count
 
 
 def _check_offset(offset: object) -> str:

@@ -27,7 +27,7 @@ from redisq.keys import KeySpace, dead_letter_topic, parse_dead_letter_topic, va
 from redisq.protocol import Command, Operation, Step, optional_text, text
 from redisq.protocol.admin import count_range
 from redisq.protocol.group import parse_lease
-from redisq.records import offset_parts
+from redisq.records import offset_after, offset_parts
 from redisq.topic import TopicConfig
 
 COUNT_CAP = 100_000  # entries counted after a position when Redis cannot tell the lag
@@ -480,7 +480,10 @@ def _count_unknown_lags(
     steps: list[Step] = []
     for i, gp in unknown:
         start = gp.last_delivered or "0-0"
-        begin = "-" if offset_parts(start) == (0, 0) else "(" + start
+        begin = "-" if offset_parts(start) == (0, 0) else offset_after(start)
+        if begin is None:  # the largest stream ID: nothing can follow it (count 0 below)
+            steps.append(Command(("ECHO", "0"), lambda _: (0, "")))
+            continue
         steps.append(count_range(keys, groups[i].topic, gp.partition, begin, END, COUNT_CAP + 1))
     counts = yield steps
     rebuilt = [list(g.partitions) for g in groups]

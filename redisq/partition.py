@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from redis.exceptions import NoScriptError
 
 from redisq.deadletter import DeadLetterWriter
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import InvalidConfig, LeaseLost, from_reply
+from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
 from redisq.ownership import TopicPartition
 from redisq.policies import (
     DeadLetter,
@@ -33,7 +32,7 @@ from redisq.policies import (
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
 from redisq.protocol.resp import pack_commands
-from redisq.records import MalformedMessage, Message, decode_entries
+from redisq.records import MalformedMessage, Message, decode_entries, offset_parts
 from redisq.settings import ConsumerSettings
 from redisq.stats import ConsumerStats
 
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("redisq.consumer")
 
 MALFORMED_LOG_INTERVAL_S = 10.0
-_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}|\d{1,20}")
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -151,9 +149,7 @@ class PartitionIO:
         reader's."""
         lease = reader.lease
         start, inclusive = reader.next_range()
-        commands = calls.fenced_range_commands(self._keys, lease, start, count)
-        if inclusive:
-            commands[2] = (*commands[2][:2], start, *commands[2][3:])
+        commands = calls.fenced_range_commands(self._keys, lease, start, count, inclusive=inclusive)
         return self.fenced(lease, self._exchange(commands[1][1], commands), calls.range_read_reply)
 
     def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
@@ -161,7 +157,8 @@ class PartitionIO:
         its position and returns them with the lease checked after they were read
         (calls.fenced_wait_commands), in one round trip; [] when nothing came."""
         lease = reader.lease
-        commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)
+        after = reader.wait_after()  # the position, or the ID before it after a seek
+        commands = calls.fenced_wait_commands(self._keys, lease, after, count, block_ms)
         return self.waited(lease, self._exchange(commands[1][1], commands))
 
     def commit_then_wait(
@@ -176,7 +173,7 @@ class PartitionIO:
             lease,
             commit,
             lambda name: self._scripts[name].sha,
-            reader.read_from,
+            reader.wait_after(),
             count,
             block_ms,
         )
@@ -199,10 +196,14 @@ class PartitionIO:
     ) -> list[Any]:
         """The raw entries of a fenced read's replies, either driver (parse: range_read_reply or
         wait_read_reply): LeaseLost unless the lease read after the entries is the reader's.
-        The caller decodes them (decode_entries, or dispatch.admitted_chunks)."""
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        The caller decodes them (decode_entries, or dispatch.admitted_chunks). An error reply
+        (a stream replaced by another type, an ID Redis refuses) raises RedisqError naming the
+        partition: it is not a read of no entries."""
+        error = calls.read_error(replies)
+        if error is not None:
+            raise RedisqError(
+                f"reading {lease.topic}/{lease.partition} failed: {type(error).__name__}: {error}"
+            ) from error
         result = parse(replies)
         if result.lease_value != lease.value:
             raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
@@ -216,9 +217,9 @@ class PartitionIO:
         if self.policy.name != "park_key" and not reader.held:
             return
         topic, p = reader.tp
-        reader.parked = set(self._client.hkeys(self._keys.parked_keys(topic, p, self.group)))
+        parked = self._client.hgetall(self._keys.parked_keys(topic, p, self.group))
         held = self._client.hgetall(self._keys.held_messages(topic, p, self.group))
-        reader.held = {k.decode(): v for k, v in held.items()}
+        reader.parked_loaded(parked, held)
 
     def parked_now(self, tp: TopicPartition) -> set[bytes]:
         return set(self._client.hkeys(self._keys.parked_keys(tp[0], tp[1], self.group)))
@@ -233,7 +234,17 @@ class PartitionIO:
         return decode_entries(tp[0], tp[1], entries)
 
     def committed(self, tp: TopicPartition) -> str | None:
-        for info in self._client.xinfo_groups(self._keys.log(*tp)):
+        """The group's position on a partition of a topic it reads (InvalidConfig for another
+        topic, PartitionOutOfRange for a partition the topic does not have)."""
+        topic, p = self.group_topic(tp)
+        if not self._client.sismember(self._keys.groups(topic), self.group):
+            raise self.not_read(topic, self.group)
+        config = self.broker.topic_config(topic)
+        if not self.partition_in(p, config.partitions):  # added since it was cached?
+            config = self.broker.topic_config(topic, refresh=True)
+            if not self.partition_in(p, config.partitions):
+                raise PartitionOutOfRange(topic, p, config.partitions)
+        for info in self._client.xinfo_groups(self._keys.log(topic, p)):
             name = info.get("name")
             if (name.decode() if isinstance(name, bytes) else name) == self.group:
                 last = info.get("last-delivered-id")
@@ -241,10 +252,34 @@ class PartitionIO:
         return None
 
     @staticmethod
+    def group_topic(tp: object) -> tuple[str, Any]:
+        """(topic, partition) of a committed() argument; InvalidConfig unless it names a topic."""
+        if not isinstance(tp, tuple) or len(tp) != 2 or not isinstance(tp[0], str):
+            raise InvalidConfig(f"{tp!r}: expected a partition or a (topic, partition) pair")
+        return tp[0], tp[1]
+
+    @staticmethod
+    def not_read(topic: str, group: str) -> InvalidConfig:
+        return InvalidConfig(f"topic {topic!r} is not read by group {group!r}")
+
+    @staticmethod
+    def partition_in(partition: object, partitions: int) -> bool:
+        if isinstance(partition, bool) or not isinstance(partition, int):
+            return False
+        return 0 <= partition < partitions
+
+    @staticmethod
     def check_offset(offset: object) -> str:
-        if not isinstance(offset, str) or not _STREAM_ID.fullmatch(offset):
-            raise InvalidConfig(f"offset {offset!r}: expected a stream ID such as 1700000000000-0")
-        return offset if "-" in offset else f"{offset}-0"
+        """A seek's offset as Redis takes it: records.offset_parts, the one parser of stream
+        IDs (ASCII digits, each part at most 2**64 - 1), as "<ms>-<seq>"."""
+        try:
+            ms, seq = offset_parts(offset if isinstance(offset, str) else "")
+        except ValueError:
+            raise InvalidConfig(
+                f"offset {offset!r}: expected a stream ID <ms>-<seq> such as 1700000000000-0, "
+                "each part 0..18446744073709551615"
+            ) from None
+        return f"{ms}-{seq}"
 
     # -- concurrent: the Redis consumer group ----------------------------------------------------
     def read_group(

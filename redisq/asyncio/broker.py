@@ -21,7 +21,7 @@ from redisq.errors import (
     TopicNotFound,
 )
 from redisq.keys import KeySpace, dead_letter_topic, validate_topic
-from redisq.records import MalformedMessage, Message, decode_entries
+from redisq.records import MalformedMessage, Message, decode_entries, offset_after
 from redisq.scripts import is_fake
 from redisq.settings import ProducerOptions
 from redisq.topic import DEFAULT_PRODUCER_STATE_TTL_MS, TopicConfig, TopicDescription
@@ -215,9 +215,10 @@ class Broker:
                 yield message
             returned += len(entries)
             last = entries[-1][0]
-            cursor = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-            if len(entries) < size:
+            after = offset_after(last.decode() if isinstance(last, bytes) else str(last))
+            if after is None or len(entries) < size:
                 return
+            cursor = after
 
     # -- clients ---------------------------------------------------------------------------------
     def producer(self, name: str | None = None, **options: Unpack[ProducerOptions]) -> Producer:

@@ -16,7 +16,7 @@ from redis.exceptions import NoScriptError
 
 from redisq.deadletter import LETTER_PRODUCER_OPTIONS, letter
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import from_reply
+from redisq.errors import PartitionOutOfRange, from_reply
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
 from redisq.partition import MalformedLog, PartitionIO, stream_entries
@@ -98,16 +98,15 @@ class AsyncPartitionIO:
         """See redisq.partition.PartitionIO.read_range (raw entries)."""
         lease = reader.lease
         start, inclusive = reader.next_range()
-        commands = calls.fenced_range_commands(self._keys, lease, start, count)
-        if inclusive:
-            commands[2] = (*commands[2][:2], start, *commands[2][3:])
+        commands = calls.fenced_range_commands(self._keys, lease, start, count, inclusive=inclusive)
         replies = await self._exchange(commands[1][1], commands)
         return PartitionIO.fenced(lease, replies, calls.range_read_reply)
 
     async def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
         """See redisq.partition.PartitionIO.read_waiting."""
         lease = reader.lease
-        commands = calls.fenced_wait_commands(self._keys, lease, reader.read_from, count, block_ms)
+        after = reader.wait_after()  # the position, or the ID before it after a seek
+        commands = calls.fenced_wait_commands(self._keys, lease, after, count, block_ms)
         return PartitionIO.waited(lease, await self._exchange(commands[1][1], commands))
 
     async def commit_then_wait(
@@ -120,7 +119,7 @@ class AsyncPartitionIO:
             lease,
             commit,
             lambda name: self.broker.scripts[name].sha,
-            reader.read_from,
+            reader.wait_after(),
             count,
             block_ms,
         )
@@ -139,9 +138,9 @@ class AsyncPartitionIO:
         if self.policy.name != "park_key" and not reader.held:
             return
         topic, p = reader.tp
-        reader.parked = set(await self._client.hkeys(self._keys.parked_keys(topic, p, self.group)))
+        parked = await self._client.hgetall(self._keys.parked_keys(topic, p, self.group))
         held = await self._client.hgetall(self._keys.held_messages(topic, p, self.group))
-        reader.held = {k.decode(): v for k, v in held.items()}
+        reader.parked_loaded(parked, held)
 
     async def parked_now(self, tp: TopicPartition) -> set[bytes]:
         return set(await self._client.hkeys(self._keys.parked_keys(tp[0], tp[1], self.group)))
@@ -153,7 +152,16 @@ class AsyncPartitionIO:
         return decode_entries(tp[0], tp[1], entries)
 
     async def committed(self, tp: TopicPartition) -> str | None:
-        for info in await self._client.xinfo_groups(self._keys.log(*tp)):
+        """See redisq.partition.PartitionIO.committed."""
+        topic, p = PartitionIO.group_topic(tp)
+        if not await self._client.sismember(self._keys.groups(topic), self.group):
+            raise PartitionIO.not_read(topic, self.group)
+        config = await self.broker.topic_config(topic)
+        if not PartitionIO.partition_in(p, config.partitions):  # added since it was cached?
+            config = await self.broker.topic_config(topic, refresh=True)
+            if not PartitionIO.partition_in(p, config.partitions):
+                raise PartitionOutOfRange(topic, p, config.partitions)
+        for info in await self._client.xinfo_groups(self._keys.log(topic, p)):
             name = info.get("name")
             if (name.decode() if isinstance(name, bytes) else name) == self.group:
                 last = info.get("last-delivered-id")

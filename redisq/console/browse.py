@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from redisq.errors import InvalidConfig
 from redisq.partitioner import partition_for_key
 from redisq.protocol import Command, Operation, run_operation, text
-from redisq.records import Message, decode_entries, offset_parts
+from redisq.records import Message, decode_entries, offset_before, offset_parts
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -106,9 +106,10 @@ def _scan(
         entries = broker.client.xrevrange(key, max=cursor, min="-", count=batch)
         scanned += len(entries)
         found += [m for m in decode_entries(topic, partition, entries) if match(m)]  # type: ignore[operator]
-        if len(entries) < batch:
+        before = offset_before(text(entries[-1][0]))
+        if len(entries) < batch or before is None:
             break
-        cursor = "(" + text(entries[-1][0])
+        cursor = before
     return sorted(found[:wanted], key=lambda m: offset_parts(m.offset)), scanned
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from redisq.keys import KeySpace
 from redisq.protocol import ScriptCall, text
+from redisq.records import offset_after
 
 MAX_IDS_PER_CALL = 1000  # entry ids per script call: Lua's unpack() has a stack limit
 
@@ -224,25 +225,52 @@ class RangeRead:
 
 
 def fenced_range_commands(
-    keys: KeySpace, lease: Lease, after: str, count: int, end: str = "+"
+    keys: KeySpace,
+    lease: Lease,
+    after: str,
+    count: int,
+    end: str = "+",
+    *,
+    inclusive: bool = False,
 ) -> list[tuple[Any, ...]]:
-    """An orderly owner's read: the lease and the next entries after its position, in one
-    MULTI/EXEC on the partition's node (one slot), so the entries come with the lease value
-    that stood when they were read. The caller drops them unless that value is its own:
-    a member that lost its lease reads nothing it could hand on. No Lua table round trip."""
-    stream = keys.log(lease.topic, lease.partition)
-    return [
+    """An orderly owner's read: the lease and the next entries after its position (at it when
+    inclusive, after a seek), in one MULTI/EXEC on the partition's node (one slot), so the
+    entries come with the lease value that stood when they were read. The caller drops them
+    unless that value is its own: a member that lost its lease reads nothing it could hand on.
+    No Lua table round trip. After the largest stream ID nothing can come (Redis refuses an
+    exclusive start there): the read is then the lease alone, no entries."""
+    start = after if inclusive else offset_after(after)
+    commands: list[tuple[Any, ...]] = [
         ("MULTI",),
         ("GET", keys.lease(lease.topic, lease.partition, lease.group)),
-        ("XRANGE", stream, "(" + after, end, "COUNT", count),
-        ("EXEC",),
     ]
+    if start is not None:
+        stream = keys.log(lease.topic, lease.partition)
+        commands.append(("XRANGE", stream, start, end, "COUNT", count))
+    commands.append(("EXEC",))
+    return commands
 
 
 def range_read_reply(replies: Sequence[Any]) -> RangeRead:
-    """The reply to fenced_range_commands (the EXEC's: the last one)."""
-    value, entries = replies[-1]
-    return RangeRead(None if value is None else text(value), entries or [])
+    """The reply to fenced_range_commands (the EXEC's: the last one; without an XRANGE after
+    the largest stream ID, no entries). Check read_error first."""
+    executed = replies[-1]
+    entries = executed[1] if len(executed) > 1 else None
+    return RangeRead(None if executed[0] is None else text(executed[0]), entries or [])
+
+
+def read_error(replies: Sequence[Any]) -> Exception | None:
+    """The first error reply of a fenced read, at the top or inside the EXEC's array: Redis
+    runs a MULTI's commands at EXEC and answers each failed one with its error in its place,
+    which redis-py returns as an exception object among the results."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            return reply
+        if isinstance(reply, list):
+            for item in reply:
+                if isinstance(item, Exception):
+                    return item
+    return None
 
 
 def fenced_wait_commands(
