@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from redisq.coordinator import Coordinator, default_member_name
-from redisq.dispatch import transaction_inputs
+from redisq.dispatch import OrderlyPartition, messages_by_partition, transaction_inputs
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.idempotent import IdempotentHandler
 from redisq.ownership import TopicPartition
@@ -150,13 +150,13 @@ class Consumer(Coordinator):
         """Acknowledge messages (Kafka's commitAsync). Orderly: the partition's position moves
         over what was acked and is committed within ack_interval_ms (commit() commits now);
         LeaseLost once this member no longer holds a partition (what it acked there is handled
-        again by the next owner). Concurrent: XACK, now."""
-        by_tp: dict[TopicPartition, list[Message]] = {}
-        for item in messages:
-            for message in [item] if isinstance(item, Message) else item:
-                if message.topic not in self._memberships:
-                    raise ValueError(f"message of topic {message.topic!r}, not of this consumer")
-                by_tp.setdefault((message.topic, message.partition), []).append(message)
+        again by the next owner). Concurrent: XACK, now. Returns how many were acknowledged now:
+        a message this consumer did not give out (read with broker.read, or given before a seek)
+        or acked already counts 0 and changes nothing, as XACK of an entry not pending."""
+        by_tp = messages_by_partition(messages)
+        for topic, _ in by_tp:
+            if topic not in self._memberships:
+                raise ValueError(f"message of topic {topic!r}, not of this consumer")
         acked = 0
         now = time.monotonic()
         for tp, batch in by_tp.items():
@@ -169,9 +169,8 @@ class Consumer(Coordinator):
                 if reader is None or owned is None or owned.lost:
                     self.stats.fenced_commits += 1
                     raise LeaseLost(f"{tp[0]}/{tp[1]} is not held by {self.name}")
-                reader.ack([m.offset for m in batch], now)
+                acked += reader.ack([m.offset for m in batch], now)
                 due = reader.commit_due(now, self._ack_interval_s)
-            acked += len(batch)
             if due:
                 self._commit(tp)
         return acked
@@ -333,7 +332,7 @@ class Consumer(Coordinator):
             try:
                 if reader is not None and reader.commit_due(now, self._ack_interval_s):
                     self._commit(tp)
-                messages = self.io.fetch(tp, reader, room)
+                messages = self._released(tp, reader, room) or self.io.fetch(tp, reader, room)
             except LeaseLost:
                 with self._lock:
                     self._lease_lost(tp)
@@ -345,6 +344,18 @@ class Consumer(Coordinator):
             self.stats.consumed += len(messages)
             result.extend(self._deserialize(m) for m in messages)
         return result
+
+    def _released(
+        self, tp: TopicPartition, reader: OrderlyPartition | None, room: int
+    ) -> list[Message]:
+        """Held messages whose key was released (redisq dlq release), given out before
+        anything read after them, as run() does; acking one takes it off the held list."""
+        if reader is None or not reader.parked_check_due(time.monotonic()):
+            return []
+        parked_now = self.io.parked_now(tp)
+        with self._lock:
+            free = reader.released(parked_now, room)
+        return self.io.fetch_offsets(tp, free) if free else []
 
     def _tp(self, partition: int | TopicPartition) -> TopicPartition:
         if isinstance(partition, tuple):

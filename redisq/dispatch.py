@@ -8,9 +8,9 @@ local position forward; it is committed every ack_interval_ms (and on hand-over 
 a crash or a takeover repeats at most what was handled since the last commit: at-least-once.
 
 Keys parked by the park_key policy hold their later messages back: a held message is recorded
-(offset -> key) with the next commit, so the position can move on past it, and it is handled
-once its key is released. Dead letters, parked keys and the blocked message change with the
-position, atomically.
+(offset -> key) with the next commit, so the position can move on past it once the messages
+before it are handled, and it is handled once its key is released (run() and poll() alike).
+Dead letters, parked keys and the blocked message change with the position, atomically.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from redisq.errors import LeaseLost
 from redisq.protocol.group import Commit, Grant, Lease
 from redisq.protocol.transactions import InputPosition
-from redisq.records import Message, decode_entries, offset_parts
+from redisq.records import MalformedMessage, Message, decode_entries, offset_before, offset_parts
 
 
 class OrderlyPartition:
@@ -37,6 +37,8 @@ class OrderlyPartition:
         self.tp = (grant.lease.topic, grant.lease.partition)
         self.read_from = grant.position  # the next read starts after it ...
         self.inclusive = False  # ... or at it, after a seek
+        # Bumped when the position jumps (a seek, ...): a read issued before is dropped whole.
+        self.moves = 0
         self.committed_at = grant.position  # the position the group holds in Redis
         self.entries_read = grant.entries_read  # at `committed` (None: unknown)
         self.done: str | None = None  # last handled offset not yet committed
@@ -44,9 +46,16 @@ class OrderlyPartition:
         self.pending = Commit()
         self.uncommitted_since: float | None = None
         self.outstanding: deque[str] = deque()  # poll(): given to the caller, in order
-        self.acked: set[str] = set()
+        self.unacked: set[str] = set()  # of outstanding: not acked yet
         self.parked: set[bytes] = set()
         self.held: dict[str, bytes] = {}  # offset -> key of a message held behind a parked key
+        # The read's held messages the position has not passed yet: offset of the message
+        # read just before them -> (offset of the last of them, how many).
+        self.held_after: dict[str, tuple[str, int]] = {}
+        self.next_parked_check = 0.0
+        # Offsets of the dead letters that parked the keys parked at the grant (a batch handled
+        # in lanes may have stopped before the position passed one: it is passed, not held).
+        self.parked_by: set[str] = set()
         self.blocked: str | None = None
         self.commit_in_flight: Commit | None = None
         # The message after the position was handed to this many owners that never got past it.
@@ -62,26 +71,65 @@ class OrderlyPartition:
         """(offset, inclusive): where the next read starts."""
         return self.read_from, self.inclusive
 
+    def wait_after(self) -> str:
+        """The ID a caught-up read waits after (XREAD takes only IDs after the one given): the
+        position, or the ID just before it when the position is inclusive (after a seek)."""
+        if not self.inclusive:
+            return self.read_from
+        return offset_before(self.read_from) or "0-0"  # no entry has ID 0-0
+
     def seek(self, offset: str) -> None:
         """Read from `offset` (inclusive) next; nothing given out is expected back any more."""
         self.read_from, self.inclusive = offset, True
+        self.moves += 1
         self.outstanding.clear()
-        self.acked.clear()
+        self.unacked.clear()
 
     def reread_from(self, offset: str) -> None:
         """Read again from `offset` (inclusive): a malformed entry the policy blocks on."""
         self.read_from, self.inclusive = offset, True
+        self.moves += 1
+
+    def block_on(self, offset: str) -> bool:
+        """Policy block, a malformed entry of the read being handled: read again from it. The
+        lanes of one read may meet several, in any order: the partition blocks at the lowest
+        (the others, and what follows them, are read again after it). True when it blocks on
+        `offset` now and did not before: count and show it (mark_blocked) once, however long
+        it blocks."""
+        if self.inclusive and offset_parts(self.read_from) < offset_parts(offset):
+            return False  # the read goes again from an earlier entry
+        self.reread_from(offset)
+        first = self.blocked != offset
+        if first:  # shown anew: a clear still to be committed was for the entry before
+            self.pending.clear_blocked = False
+        self.blocked = offset
+        return first
+
+    def stopped_before(self, offset: str, moves: int) -> None:
+        """pause(): the read issued at `moves` was handled up to `offset` (not included): read
+        again from it, unless the position jumped since (a seek wins)."""
+        if self.moves == moves:
+            self.read_from, self.inclusive = offset, True
 
     def admit(self, messages: list[Message], now: float) -> list[Message]:
         """Messages just read, in offset order: those of a parked key are held back (recorded
-        with the next commit); the others are to be handled, in this order."""
+        with the next commit); the others are to be handled, in this order. The position
+        passes a held message only once the messages read before it are done (handled, or
+        acked after poll()): a commit meanwhile (close, hand-over, commit()) stays before them."""
         self.admit_read(messages, messages[-1].offset if messages else None, now)
         if not self.parked or not messages:
             return messages
         admitted: list[Message] = []
+        self.held_after = {}
         for message in messages:
-            if not self.hold_if_parked(message, now):
+            if not self.hold_if_parked(message, now, advance=False):
                 admitted.append(message)
+            elif not admitted:  # what came before this read is done
+                self._advance(message.offset, now)
+            else:
+                after = admitted[-1].offset
+                count = self.held_after[after][1] if after in self.held_after else 0
+                self.held_after[after] = (message.offset, count + 1)
         return admitted
 
     def admit_read(self, head: list[Message], last: str | None, now: float) -> None:
@@ -103,8 +151,10 @@ class OrderlyPartition:
     def hold_if_parked(self, message: Message, now: float, *, advance: bool = True) -> bool:
         """Hold the message back if its key is parked (a key parked while its batch was being
         handled holds the rest of the batch's messages of that key too)."""
-        if message.key is None or message.key not in self.parked or message.offset in self.held:
+        if message.key is None or message.key not in self.parked:
             return False
+        if message.offset in self.held or message.offset in self.parked_by:
+            return True  # held already (by an earlier read or owner), or its dead letter
         self.held[message.offset] = message.key
         self.pending.held.append((message.offset, message.key))
         if advance:
@@ -113,15 +163,36 @@ class OrderlyPartition:
             self._touch(now)
         return True
 
-    def released(self, parked_now: Iterable[bytes]) -> list[str]:
-        """The parked keys now: offsets (in order) of held messages whose key was released."""
+    def parked_loaded(self, parked: Mapping[bytes, bytes], held: Mapping[bytes, bytes]) -> None:
+        """At the grant, as Redis has them: the parked keys (key -> offset of the dead letter
+        that parked it) and the held messages (offset -> key)."""
+        self.parked = set(parked)
+        self.parked_by = {offset.decode() for offset in parked.values()}
+        self.held = {offset.decode(): key for offset, key in held.items()}
+
+    def parked_check_due(self, now: float) -> bool:
+        """Time to ask Redis which keys are still parked (then released()): at most once a
+        second while a key is parked or a message held, by run() and poll() alike, since a
+        release (redisq dlq release, release_key) happens elsewhere."""
+        if not (self.held or self.parked) or now < self.next_parked_check:
+            return False
+        self.next_parked_check = now + 1.0
+        return True
+
+    def released(self, parked_now: Iterable[bytes], limit: int | None = None) -> list[str]:
+        """The parked keys now: offsets (in order) of held messages whose key was released,
+        at most `limit` of them (the next check is then due at once)."""
         # Keys parked here but not committed yet are not in Redis's view: they stay parked.
         recent = {key for key, _ in self.pending.parked}
         if self.commit_in_flight is not None:
             recent.update(key for key, _ in self.commit_in_flight.parked)
         self.parked = set(parked_now) | recent
         free = [offset for offset, key in self.held.items() if key not in self.parked]
-        return sorted(free, key=offset_parts)
+        free.sort(key=offset_parts)
+        if limit is not None and len(free) > limit:
+            self.next_parked_check = 0.0
+            del free[limit:]
+        return free
 
     # -- handling --------------------------------------------------------------------------------
     def handled(self, message: Message, now: float) -> None:
@@ -137,6 +208,8 @@ class OrderlyPartition:
         self.done_count += 1
         if self.uncommitted_since is None:
             self.uncommitted_since = now
+        if self.held_after:
+            self._pass_held(offset)
 
     def handled_through(self, offset: str, count: int, now: float) -> None:
         """A batch handled in lanes (any order inside it): the position moves to its end."""
@@ -146,19 +219,28 @@ class OrderlyPartition:
     def given(self, messages: list[Message]) -> None:
         """poll() handed these to the caller (orderly: nothing more until they are acked)."""
         self.outstanding.extend(m.offset for m in messages)
+        self.unacked.update(m.offset for m in messages)
 
-    def ack(self, offsets: Iterable[str], now: float) -> None:
-        """The caller acked these: the position moves over the acked prefix of what it got."""
-        self.acked.update(offsets)
-        while self.outstanding and self.outstanding[0] in self.acked:
+    def ack(self, offsets: Iterable[str], now: float) -> int:
+        """The caller acked these: the position moves over the acked prefix of what it got.
+        Returns how many were acked now: an offset poll() did not give out (read elsewhere, or
+        given before a seek) or acked already counts 0, as XACK counts it in concurrent mode; the
+        position never moves over a message the caller was not given."""
+        unacked = self.unacked
+        acked = 0
+        for offset in offsets:
+            if offset in unacked:
+                unacked.discard(offset)
+                acked += 1
+        while self.outstanding and self.outstanding[0] not in unacked:
             offset = self.outstanding.popleft()
-            self.acked.discard(offset)
             if offset in self.held:
                 del self.held[offset]
                 self.pending.unheld.append(offset)
                 self._touch(now)
             else:
                 self._advance(offset, now)
+        return acked
 
     def dead_lettered(self, message: Message, *, park: bool, malformed: bool, now: float) -> None:
         """Copied to the dead-letter topic: counted, its key parked if asked, passed over."""
@@ -193,6 +275,21 @@ class OrderlyPartition:
         self.done = offset
         self.done_count += 1
         self._touch(now)
+        if self.held_after:
+            self._pass_held(offset)
+
+    def _pass_held(self, offset: str) -> None:
+        """The position reached `offset`: it passes the held messages read right after it,
+        and counts those read before it (a batch handled in lanes ends past them)."""
+        at = offset_parts(offset)
+        while self.held_after:
+            after = next(iter(self.held_after))
+            if offset_parts(after) > at:
+                return
+            last, count = self.held_after.pop(after)
+            self.done_count += count
+            if after == offset:
+                self.done = last
 
     def _touch(self, now: float) -> None:
         if self.uncommitted_since is None:
@@ -224,8 +321,9 @@ class OrderlyPartition:
             self.committed_position(position, entries_read)
         else:
             self.read_from, self.inclusive = self.committed_at, False
+            self.moves += 1
             self.outstanding.clear()
-            self.acked.clear()
+            self.unacked.clear()
             self.done, self.done_count = None, 0
         self.transaction, self.tx_position, self.tx_count = None, None, 0
 
@@ -295,36 +393,76 @@ def lanes(messages: list[Message], count: int) -> list[list[Message]]:
     return [lane for lane in result if lane]
 
 
+def lanes_end(messages: list[Message], blocks_malformed: bool) -> int:
+    """key_concurrency: how many of a read's messages go to lanes. When the policy blocks on a
+    malformed entry, they stop short of the first one: it is met (and the partition blocks,
+    reading again from it) only once all before it is handled, and nothing after it is
+    handled before it."""
+    if blocks_malformed:
+        for i, message in enumerate(messages):
+            if message.__class__ is MalformedMessage:
+                return i
+    return len(messages)
+
+
 def admitted_chunks(
     reader: OrderlyPartition,
     entries: list[Any],
     size: int,
     lock: AbstractContextManager[Any],
+    moves: int,
 ) -> Iterator[list[Message]]:
     """One fenced read's raw entries as Messages, admitted once (under `lock`) and decoded
     `size` at a time as the caller takes them, for a worker that handles each chunk before
     taking the next. With a key parked, or a read of one chunk, the read is decoded and
-    admitted whole (admit holds back the parked keys' messages). Between chunks, a position
-    that moved (a seek, an aborted transaction) ends the read: the next one starts there."""
+    admitted whole (admit holds back the parked keys' messages), and given out `size` at a
+    time. `moves`: reader.moves when the read was sent. A position that jumped since (a seek,
+    an aborted transaction) drops the read, whole if it jumped while the read was in flight,
+    else its chunks not given out yet: the next read starts where it jumped to."""
     topic, partition = reader.tp
     whole = len(entries) <= size
     head = decode_entries(topic, partition, entries[:size])
     last = None if whole else decode_entries(topic, partition, entries[-1:])[0].offset
     with lock:
+        if reader.moves != moves:
+            return
         now = time.monotonic()
         if whole or reader.parked:
             messages = head if whole else decode_entries(topic, partition, entries)
             head, whole = reader.admit(messages, now), True
         else:
             reader.admit_read(head, last, now)
-    if head:
-        yield head
     if whole:
+        for start in range(0, len(head), size):
+            if start and reader.moves != moves:
+                return
+            yield head[start : start + size]
         return
+    yield head
     for start in range(size, len(entries), size):
-        if reader.inclusive or reader.read_from != last:  # moved by another thread: read anew
+        if reader.moves != moves:  # moved by another thread (or the handler): read anew
             return
         yield decode_entries(topic, partition, entries[start : start + size])
+
+
+def messages_by_partition(
+    items: Iterable[Message | Iterable[Message]],
+) -> dict[tuple[str, int], list[Message]]:
+    """What ack() or tx.ack() was given (Messages, or iterables of them) grouped by partition;
+    TypeError for anything else: an offset alone does not say its topic and partition."""
+    by_tp: dict[tuple[str, int], list[Message]] = {}
+    for item in items:
+        if isinstance(item, Message):
+            by_tp.setdefault((item.topic, item.partition), []).append(item)
+            continue
+        if isinstance(item, str | bytes) or not isinstance(item, Iterable):
+            raise TypeError(f"ack takes Messages or iterables of them, not {type(item).__name__}")
+        for message in item:
+            if not isinstance(message, Message):
+                kind = type(message).__name__
+                raise TypeError(f"ack takes Messages or iterables of them, not {kind}")
+            by_tp.setdefault((message.topic, message.partition), []).append(message)
+    return by_tp
 
 
 def transaction_inputs(
@@ -337,15 +475,12 @@ def transaction_inputs(
 ) -> list[tuple[Lease, InputPosition]]:
     """tx.ack (both consumer drivers): the input positions transaction tx_id would commit,
     with the leases it must still hold then; LeaseLost for a partition no longer held."""
-    by_tp: dict[tuple[str, int], list[str]] = {}
-    for message in [messages] if isinstance(messages, Message) else messages:
-        by_tp.setdefault((message.topic, message.partition), []).append(message.offset)
     inputs = []
-    for tp, offsets in by_tp.items():
+    for tp, batch in messages_by_partition([messages]).items():
         reader = readers.get(tp)
         if reader is None or lost(tp):
             raise LeaseLost(f"{tp[0]}/{tp[1]} is no longer held by this consumer")
-        moved = reader.transactional_ack(tx_id, offsets, now)
+        moved = reader.transactional_ack(tx_id, [m.offset for m in batch], now)
         if moved is not None:
             inputs.append((reader.lease, InputPosition(group, tp[0], tp[1], *moved)))
     return inputs

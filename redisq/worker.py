@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes
+from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes, lanes_end
 from redisq.errors import InvalidName, LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
@@ -33,6 +33,14 @@ _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 class _Stop(Exception):
     """The partition must stop being handled (revoked, lease lost or near its deadline, close)."""
+
+
+class _Paused(Exception):
+    """pause(): the read is handled up to `offset` (not included); the rest is read again."""
+
+    def __init__(self, offset: str) -> None:
+        super().__init__(offset)
+        self.offset = offset
 
 
 class Worker(threading.Thread):
@@ -107,18 +115,14 @@ class Worker(threading.Thread):
         consumer = self.consumer
         batch = self.settings.batch_size
         lanes_of = self.settings.key_concurrency
-        chunk = batch if lanes_of > 1 else DECODE_CHUNK  # lanes take a whole read at once
         interval = consumer._ack_interval_s
-        next_parked_check = 0.0
         caught_up = False
         while self._may_handle():
             if self._paused():
                 self._commit_if_due(reader, interval)
                 time.sleep(0.05)
                 continue
-            now = time.monotonic()
-            if reader.held and now >= next_parked_check:
-                next_parked_check = now + 1.0
+            if reader.parked_check_due(time.monotonic()):
                 parked_now = self.io.parked_now(self.tp)
                 with consumer._lock:
                     free = reader.released(parked_now)
@@ -129,6 +133,7 @@ class Worker(threading.Thread):
             # Caught up (the last read was not a full batch): commit what was handled, then
             # wait for entries and read them in one round trip, no longer than the lease allows.
             block_ms = self._block_ms(reader) if caught_up else 0
+            moves = reader.moves  # taken before the read starts: a seek after it drops the read
             try:
                 if block_ms > 0:
                     read = self._commit_and_wait(reader, batch, block_ms)
@@ -140,13 +145,20 @@ class Worker(threading.Thread):
                 continue
             caught_up = len(read) < batch
             try:
-                chunks = admitted_chunks(reader, read, chunk, consumer._lock)
+                chunks = admitted_chunks(reader, read, DECODE_CHUNK, consumer._lock, moves)
                 if lanes_of > 1:
                     for messages in chunks:
+                        if self._paused():  # lanes stop between chunks of DECODE_CHUNK
+                            raise _Paused(messages[0].offset)
                         self._handle_batch(reader, messages)
                 else:
                     self._handle_plain(reader, chain.from_iterable(chunks))
             except _Retry:
+                caught_up = False
+                continue
+            except _Paused as paused:
+                with consumer._lock:
+                    reader.stopped_before(paused.offset, moves)
                 caught_up = False
                 continue
             self._commit_if_due(reader, interval)
@@ -166,8 +178,8 @@ class Worker(threading.Thread):
     def _block_ms(self, reader: OrderlyPartition) -> int:
         """How long a caught-up read may wait for entries (0: do not wait): block_ms, no later
         than the partition's handling limit (the lease)."""
-        if reader.inclusive or not reader.read_from:
-            return 0  # XREAD reads only after an ID: a read from an offset goes by range
+        if not reader.read_from:
+            return 0
         limit = self.consumer.ownership.handling_limit(self.tp)
         return min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
 
@@ -181,8 +193,11 @@ class Worker(threading.Thread):
 
     def _handle_batch(self, reader: OrderlyPartition, messages: list[Message]) -> None:
         if self.settings.key_concurrency > 1 and len(messages) > 1:
-            self._handle_in_lanes(reader, messages)
-            return
+            # Lanes up to a malformed entry the policy blocks at, then it (and the rest) in order.
+            end = lanes_end(messages, not isinstance(self.policy.malformed(), DeadLetter))
+            if end:
+                self._handle_in_lanes(reader, messages[:end])
+            messages = messages[end:]
         self._handle_plain(reader, messages)
 
     def _handle_plain(self, reader: OrderlyPartition | None, messages: Iterable[Message]) -> None:
@@ -208,8 +223,11 @@ class Worker(threading.Thread):
         pending_acks = self._pending_acks
         run_last = ""  # orderly: the run handled, the position not moved over it yet
         run = 0
+        owned = ownership.owned.get(tp) if reader is not None else None
         try:
             for message in messages:
+                if owned is not None and owned.paused:  # pause(): no further message starts
+                    raise _Paused(message.offset)
                 if message.__class__ is not Message or (
                     reader is not None
                     and (reader.parked or (reader.held and message.offset in reader.held))
@@ -406,13 +424,12 @@ class Worker(threading.Thread):
             self.consumer.stats.malformed += 1
             self.io.note_malformed(message, "left pending (policy block)")
             return
-        if reader.blocked != message.offset:  # once per entry, however long it blocks
+        with self.consumer._lock:  # read again from it: an XDEL (or retention) ends it
+            first = reader.block_on(message.offset)
+        if first:  # once per entry, however long it blocks
             self.consumer.stats.malformed += 1
             self.io.note_malformed(message, "blocking (policy block)")
             self.io.mark_blocked(self.tp, message, message.error(), 0)  # type: ignore[attr-defined]
-        with self.consumer._lock:
-            reader.blocked = message.offset
-            reader.reread_from(message.offset)  # read again from it: an XDEL (or retention) ends it
         self._sleep_while_owned(self.policy.backoff.delay(1))
         raise _Retry
 

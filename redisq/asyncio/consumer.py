@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, transaction_inputs
+from redisq.dispatch import OrderlyPartition, messages_by_partition, transaction_inputs
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
@@ -123,12 +123,10 @@ class Consumer(Coordinator):
 
     async def ack(self, *messages: Message | Iterable[Message]) -> int:
         """See redisq.Consumer.ack (orderly: committed within ack_interval_ms)."""
-        by_tp: dict[TopicPartition, list[Message]] = {}
-        for item in messages:
-            for message in [item] if isinstance(item, Message) else item:
-                if message.topic not in self._start_ids:
-                    raise ValueError(f"message of topic {message.topic!r}, not of this consumer")
-                by_tp.setdefault((message.topic, message.partition), []).append(message)
+        by_tp = messages_by_partition(messages)
+        for topic, _ in by_tp:
+            if topic not in self._start_ids:
+                raise ValueError(f"message of topic {topic!r}, not of this consumer")
         acked = 0
         now = time.monotonic()
         for tp, batch in by_tp.items():
@@ -140,8 +138,7 @@ class Consumer(Coordinator):
             if reader is None or owned is None or owned.lost:
                 self.stats.fenced_commits += 1
                 raise LeaseLost(f"{tp[0]}/{tp[1]} is not held by {self.name}")
-            reader.ack([m.offset for m in batch], now)
-            acked += len(batch)
+            acked += reader.ack([m.offset for m in batch], now)
             if reader.commit_due(now, self._ack_interval_s):
                 await self._commit(tp)
         return acked
@@ -269,8 +266,10 @@ class Consumer(Coordinator):
                 if reader is not None:
                     if reader.commit_due(now, self._ack_interval_s):
                         await self._commit(tp)
-                    entries = await self.io.read_range(reader, room)
-                    messages = reader.admit(decode_entries(*tp, entries), now)
+                    messages = await self._released(reader, room)
+                    if not messages:
+                        entries = await self.io.read_range(reader, room)
+                        messages = reader.admit(decode_entries(*tp, entries), now)
                 else:
                     messages = await self.io.claim_idle(tp, room) or decode_entries(
                         *tp, await self.io.read_group(tp, room, [], None)
@@ -285,6 +284,13 @@ class Consumer(Coordinator):
             self.stats.consumed += len(messages)
             result.extend(self._deserialize(m) for m in messages)
         return result
+
+    async def _released(self, reader: OrderlyPartition, room: int) -> list[Message]:
+        """See redisq.Consumer._released."""
+        if not reader.parked_check_due(time.monotonic()):
+            return []
+        free = reader.released(await self.io.parked_now(reader.tp), room)
+        return await self.io.fetch_offsets(reader.tp, free) if free else []
 
     async def _screen(
         self, reader: OrderlyPartition | None, messages: list[Message]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes
+from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes, lanes_end
 from redisq.errors import LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
@@ -38,6 +38,14 @@ class Stop(Exception):
 
 class _Retry(Exception):
     """A malformed entry blocks: read the partition again from it."""
+
+
+class _Paused(Exception):
+    """pause(): the read is handled up to `offset` (not included); the rest is read again."""
+
+    def __init__(self, offset: str) -> None:
+        super().__init__(offset)
+        self.offset = offset
 
 
 async def handle_partition(consumer: Coordinator, tp: TopicPartition) -> None:
@@ -98,10 +106,8 @@ class _Handling:
     async def orderly(self, reader: OrderlyPartition) -> None:
         consumer = self.consumer
         interval = consumer._ack_interval_s
-        next_parked_check = 0.0
         batch = self.settings.batch_size
         lanes_of = self.settings.key_concurrency
-        chunk = batch if lanes_of > 1 else DECODE_CHUNK  # lanes take a whole read at once
         caught_up = False
         while self.may_handle():
             owned = consumer.ownership.owned.get(self.tp)
@@ -109,9 +115,7 @@ class _Handling:
                 await self.commit_if_due(reader, interval)
                 await asyncio.sleep(0.05)
                 continue
-            now = time.monotonic()
-            if reader.held and now >= next_parked_check:
-                next_parked_check = now + 1.0
+            if reader.parked_check_due(time.monotonic()):
                 free = reader.released(await self.io.parked_now(self.tp))
                 if free:
                     for message in await self.io.fetch_offsets(self.tp, free):
@@ -120,6 +124,7 @@ class _Handling:
             # Caught up (the last read was not a full batch): commit what was handled, then
             # wait for entries and read them in one round trip, no longer than the lease allows.
             block_ms = self.block_ms(reader) if caught_up else 0
+            moves = reader.moves  # taken before the read starts: a seek after it drops the read
             try:
                 if block_ms > 0:
                     read = await self.commit_and_wait(reader, batch, block_ms)
@@ -131,13 +136,20 @@ class _Handling:
                 continue
             caught_up = len(read) < batch
             try:
-                chunks = admitted_chunks(reader, read, chunk, nullcontext())
+                chunks = admitted_chunks(reader, read, DECODE_CHUNK, nullcontext(), moves)
                 if lanes_of > 1:
                     for messages in chunks:
+                        owned = consumer.ownership.owned.get(self.tp)
+                        if owned is not None and owned.paused:  # lanes stop between chunks
+                            raise _Paused(messages[0].offset)
                         await self.handle_batch(reader, messages)
                 else:
                     await self.handle_plain(reader, chain.from_iterable(chunks))
             except _Retry:
+                caught_up = False
+                continue
+            except _Paused as paused:
+                reader.stopped_before(paused.offset, moves)
                 caught_up = False
                 continue
             await self.commit_if_due(reader, interval)
@@ -158,8 +170,8 @@ class _Handling:
     def block_ms(self, reader: OrderlyPartition) -> int:
         """How long a caught-up read may wait for entries (0: do not wait): block_ms, no later
         than the partition's handling limit (the lease)."""
-        if reader.inclusive or not reader.read_from:
-            return 0  # XREAD reads only after an ID: a read from an offset goes by range
+        if not reader.read_from:
+            return 0
         limit = self.consumer.ownership.handling_limit(self.tp)
         return min(self.settings.block_ms, int((limit - time.monotonic()) * 1000))
 
@@ -173,20 +185,23 @@ class _Handling:
 
     async def handle_batch(self, reader: OrderlyPartition, messages: list[Message]) -> None:
         if self.settings.key_concurrency > 1 and len(messages) > 1:
+            # Lanes up to a malformed entry the policy blocks at, then it (and the rest) in order.
+            end = lanes_end(messages, not isinstance(self.policy.malformed(), DeadLetter))
+            batch, messages = messages[:end], messages[end:]
 
             async def run_lane(lane: list[Message]) -> None:
                 for message in lane:
                     await self.handle_one(reader, message, lane=True)
 
             results = await asyncio.gather(
-                *(run_lane(lane) for lane in lanes(messages, self.settings.key_concurrency)),
+                *(run_lane(lane) for lane in lanes(batch, self.settings.key_concurrency)),
                 return_exceptions=True,
             )
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-            reader.handled_through(messages[-1].offset, len(messages), time.monotonic())
-            return
+            if batch:
+                reader.handled_through(batch[-1].offset, len(batch), time.monotonic())
         await self.handle_plain(reader, messages)
 
     async def handle_plain(
@@ -202,7 +217,10 @@ class _Handling:
         stats = consumer.stats
         tp = self.tp
         monotonic = time.monotonic
+        owned = ownership.owned.get(tp) if reader is not None else None
         for message in messages:
+            if owned is not None and owned.paused:  # pause(): no further message starts
+                raise _Paused(message.offset)
             if message.__class__ is not Message or (reader is not None and reader.parked):
                 await self.handle_one(reader, message, lane=False)
                 continue
@@ -331,12 +349,10 @@ class _Handling:
             self.consumer.stats.malformed += 1
             self.io.note_malformed(message, "left pending (policy block)")
             return
-        if reader.blocked != message.offset:  # once per entry, however long it blocks
+        if reader.block_on(message.offset):  # once per entry, however long it blocks
             self.consumer.stats.malformed += 1
             self.io.note_malformed(message, "blocking (policy block)")
             await self.io.mark_blocked(self.tp, message, error, 0)
-        reader.blocked = message.offset
-        reader.reread_from(message.offset)
         await self.sleep_while_owned(self.policy.backoff.delay(1))
         raise _Retry
 
