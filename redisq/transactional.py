@@ -21,7 +21,7 @@ import redis
 
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
-from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionDecided
+from redisq.errors import InvalidConfig, ProducerClosed, RedisqError
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -36,6 +36,7 @@ from redisq.transactions import (
     TxMessage,
     TxState,
     Writer,
+    abort_found,
     ends_on_refusal,
     half_message,
     messages_of,
@@ -193,13 +194,7 @@ class Transaction:
                     keys, core.transaction_id, writer, positions, staged, configs
                 )
             )
-        self._aborted(state, results)
-
-    def _aborted(self, state: str, results: list[BatchResult]) -> None:
-        if state == "committed":
-            self._ended(True, results)
-            raise TransactionDecided("committed")
-        self._ended(False)
+        abort_found(self, state, results)
 
     def _stage(self) -> None:
         new, first, register = self._core.unstaged()

@@ -267,7 +267,16 @@ class Ending(Protocol):
     @property
     def state(self) -> str: ...
 
-    def _ended(self, committed: bool) -> None: ...
+    def _ended(self, committed: bool, results: list[BatchResult] | None = None) -> None: ...
+
+
+def abort_found(transaction: Ending, state: str, results: list[BatchResult]) -> None:
+    """End a transaction as its abort found it (tx_ops.abort_or_outcome), either driver: aborted,
+    or committed first, which stands (records from `results`) and raises TransactionDecided."""
+    committed = state == "committed"
+    transaction._ended(committed, results)
+    if committed:
+        raise TransactionDecided("committed")
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import redis
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.asyncio.handle import AsyncBrokerHandle
-from redisq.errors import InvalidConfig, RedisqError, TransactionDecided
+from redisq.errors import InvalidConfig, RedisqError
 from redisq.protocol import Operation
 from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
@@ -38,6 +38,7 @@ from redisq.transactions import (
     TxConsumer,
     TxState,
     Writer,
+    abort_found,
     ends_on_refusal,
     half_message,
     messages_of,
@@ -169,13 +170,7 @@ class Transaction:
                     keys, core.transaction_id, writer, positions, staged, configs
                 )
             )
-        self._aborted(state, results)
-
-    def _aborted(self, state: str, results: list[BatchResult]) -> None:
-        if state == "committed":
-            self._ended(True, results)
-            raise TransactionDecided("committed")
-        self._ended(False)
+        abort_found(self, state, results)
 
     async def _stage(self) -> None:
         new, first, register = self._core.unstaged()
