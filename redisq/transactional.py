@@ -39,9 +39,9 @@ from redisq.transactions import (
     abort_found,
     ends_on_refusal,
     half_message,
+    half_result,
     messages_of,
     new_transaction_id,
-    records_of,
 )
 
 
@@ -291,24 +291,13 @@ class Transactions:
         except Exception:
             log.exception("transaction %s: the local transaction raised: UNKNOWN", tx_id)
             state = TxState.UNKNOWN
-        if state is TxState.COMMIT:
-            results = self.run(
-                lambda: ops.commit(keys, tx_id, writer, staging.staged, [], {topic: config}.get)
-            )
-            records = records_of(staging.staged, results, staging.order)
-            producer._core.stats.transactions_committed += 1
-            return TransactionResult(tx_id, state, records)
-        if state is TxState.ROLLBACK:
+        if state is TxState.COMMIT or state is TxState.ROLLBACK:
             stored, results = self.run(
-                lambda: ops.abort_or_outcome(
-                    keys, tx_id, writer, [], staging.staged, {topic: config}.get
+                lambda: ops.settle_half(
+                    keys, tx_id, writer, state, staging.staged, {topic: config}.get
                 )
             )
-            if stored == "committed":  # the check-back committed it first: that stands
-                records = records_of(staging.staged, results, staging.order)
-                producer._core.stats.transactions_committed += 1
-                return TransactionResult(tx_id, TxState.COMMIT, records)
-            producer._core.stats.transactions_aborted += 1
+            return half_result(tx_id, stored, results, staging, producer._core.stats)
         return TransactionResult(tx_id, state)
 
     # -- the background duties ---------------------------------------------------------------------

@@ -250,6 +250,19 @@ class TransactionCore:
             consumer._transaction_ended(position, committed)
 
 
+def half_result(
+    tx_id: str, stored: str, results: list[BatchResult], staging: Staging, stats: ProducerStats
+) -> TransactionResult:
+    """A half message's outcome as stored (tx_ops.settle_half), counted."""
+    if stored == "committed":
+        stats.transactions_committed += 1
+        return TransactionResult(
+            tx_id, TxState.COMMIT, records_of(staging.staged, results, staging.order)
+        )
+    stats.transactions_aborted += 1
+    return TransactionResult(tx_id, TxState.ROLLBACK)
+
+
 def half_message(topic: str, encoded: Any) -> Staging:
     """A half message (send_in_transaction) staged as one batch."""
     staging = Staging(1, 1 << 62)

@@ -171,6 +171,21 @@ def abort_or_outcome(
     return state, (yield from roll_forward(keys, tx_id, batches, configs, writer.producer_id))
 
 
+def settle_half(
+    keys: KeySpace,
+    tx_id: str,
+    writer: Writer,
+    answer: TxState,
+    batches: list[StagedBatch],
+    configs: Callable[[str], TopicConfig | None],
+) -> Operation[tuple[str, list[BatchResult]]]:
+    """local()'s COMMIT or ROLLBACK of a half message, carried out: the state now stored (a
+    check-back's decision made first stands) and what the batches were written as."""
+    if answer is TxState.COMMIT:
+        return "committed", (yield from commit(keys, tx_id, writer, batches, [], configs))
+    return (yield from abort_or_outcome(keys, tx_id, writer, [], batches, configs))
+
+
 # -- carrying out a decision (anyone) ------------------------------------------------------------
 def roll_forward(
     keys: KeySpace,
