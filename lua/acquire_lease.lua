@@ -61,9 +61,11 @@ for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
     break
   end
 end
--- Counted only while a message waits after the position: an owner that had one to handle.
+-- Counted only while a message waits after the position: an owner that had one to handle
+-- (nothing can follow the largest stream ID, and no exclusive range may start at it).
 local takeovers = 0
-if #redis.call('XRANGE', KEYS[3], '(' .. position, '+', 'COUNT', 1) > 0 then
+local largest = '18446744073709551615-18446744073709551615'
+if position ~= largest and #redis.call('XRANGE', KEYS[3], '(' .. position, '+', 'COUNT', 1) > 0 then
   if redis.call('HGET', KEYS[4], 'takeover_position') == position then
     takeovers = redis.call('HINCRBY', KEYS[4], 'takeovers', 1)
   else

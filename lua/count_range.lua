@@ -24,8 +24,8 @@ while count < limit do
   end
   count = count + n
   last_id = entries[n][1]
-  if n < chunk then
-    break
+  if n < chunk or last_id == '18446744073709551615-18446744073709551615' then
+    break  -- (nothing follows the largest stream ID, and no range may start after it)
   end
   cursor = '(' .. last_id
 end
