@@ -10,13 +10,50 @@ name wrote to before anything is sent, so older instances are refused there.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+import redis
 
 from redisq.admin import read_config, server_ms, topic_config
+from redisq.errors import UnsupportedServer
 from redisq.keys import KeySpace
 from redisq.protocol import Command, Operation
 from redisq.protocol import produce as protocol
 from redisq.protocol.produce import ProducerIdentity
 from redisq.topic import TopicConfig
+
+
+def check_acks(acks: str, *, cluster: bool, server: str) -> Operation[None]:
+    """Refuse, when a producer starts (before it writes anything), an `acks=` the server cannot
+    confirm: UnsupportedServer. "replicas" needs WAIT (a server may rename or disable it, or an
+    ACL deny it), "fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8) on a server with appendonly
+    yes, and no cluster yet. Each probe returns at once: it waits for nothing."""
+    if acks == "leader":
+        return
+    if acks == "fsync" and cluster:
+        raise UnsupportedServer(
+            'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
+        )
+    probe: tuple[Any, ...] = ("WAIT", 0, 0) if acks == "replicas" else ("WAITAOF", 0, 0, 0)
+    try:
+        yield Command(probe)
+    except redis.ResponseError as exc:
+        needs = "WAIT" if acks == "replicas" else "WAITAOF (Redis >= 7.2, Valkey >= 8)"
+        raise UnsupportedServer(
+            f'acks="{acks}" needs {needs}; {server} refused it: {_first_line(exc)}'
+        ) from exc
+    if acks == "fsync":
+        aof = yield Command(("INFO", "persistence"), _aof_enabled)
+        if not aof:  # WAITAOF 1 would fail on every batch until the delivery timeout
+            raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
+
+
+def _aof_enabled(info: Any) -> bool:
+    return bool(int(info.get("aof_enabled", 0)))
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
 def new_identity(

@@ -32,7 +32,6 @@ from redisq.errors import (
     ProducerClosed,
     ProducerFenced,
     RedisqError,
-    UnsupportedServer,
 )
 from redisq.futures import SendFuture, Waiter, check_timeout, finished
 from redisq.keys import validate_name
@@ -151,21 +150,11 @@ class Producer:
 
     # -- identity and fencing ------------------------------------------------------------------
     def _check_acks_supported(self) -> None:
-        if self.acks == "fsync" and self.broker.is_cluster:
-            raise UnsupportedServer(
-                'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
+        self._run_operation(
+            identity_ops.check_acks(
+                self.acks, cluster=self.broker.is_cluster, server=self.broker.server
             )
-        if self.acks == "fsync":
-            try:  # returns at once (nothing to wait for); an unknown command on Redis < 7.2
-                self._client.execute_command("WAITAOF", 0, 0, 0)
-            except redis.ResponseError as exc:
-                raise UnsupportedServer(
-                    f'acks="fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8); {self.broker.server} '
-                    "does not have it"
-                ) from exc
-            if not int(self._client.info("persistence").get("aof_enabled", 0)):
-                # WAITAOF 1 would fail on every batch until the delivery timeout.
-                raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
+        )
 
     def _run_operation(self, operation: Operation[T]) -> T:
         return run_operation(operation, self._scripts.execute)

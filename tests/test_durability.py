@@ -15,6 +15,7 @@ What is asserted:
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 
 import redisq
+import redisq.asyncio
 from redisq.producer import SendFuture
 from tests.replication import SERVICE, SentinelProcess, in_sync, start_replica, wait_for
 from tests.servers import ServerProcess, binary_for, valkey_binary
@@ -161,6 +163,40 @@ def test_acks_fsync_on_redis_70_is_refused(namespace: str) -> None:
             with pytest.raises(redisq.UnsupportedServer, match="WAITAOF") as caught:
                 broker.producer(acks="fsync")
             assert "Redis >= 7.2" in str(caught.value)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_acks_replicas_without_wait_is_refused_before_anything_is_written(
+    kind: str, namespace: str
+) -> None:
+    """A server whose WAIT is renamed (or denied by an ACL) cannot confirm acks="replicas": the
+    producer is refused when it starts, sync and asyncio, and nothing is written (before, the
+    first batch was appended and only its WAIT failed)."""
+    server = ServerProcess(binary_for(kind), config={"rename-command": "WAIT wait-hidden"}).start()
+    try:
+        with redisq.connect(server.url, namespace=namespace) as broker:
+            broker.create_topic(TOPIC, partitions=1)
+            with server.client() as client:
+                keys_before = sorted(client.scan_iter(f"{namespace}:*"))
+            with pytest.raises(redisq.UnsupportedServer, match='acks="replicas" needs WAIT'):
+                broker.producer(acks="replicas")
+
+            async def start_asyncio() -> None:
+                async with await redisq.asyncio.connect(server.url, namespace=namespace) as abroker:
+                    producer = abroker.producer(acks="replicas")
+                    with pytest.raises(redisq.UnsupportedServer, match="needs WAIT"):
+                        await producer.send(TOPIC, b"never written", key=b"k")
+                    await producer.close()
+
+            asyncio.run(start_asyncio())
+            with server.client() as client:
+                assert client.xlen(broker.keys.log(TOPIC, 0)) == 0
+                assert sorted(client.scan_iter(f"{namespace}:*")) == keys_before
+            # The same server takes the default acks.
+            with broker.producer() as producer:
+                assert producer.send(TOPIC, b"leader", key=b"k").offset
     finally:
         server.stop()
 

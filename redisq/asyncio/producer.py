@@ -31,7 +31,7 @@ from redisq.accumulator import Batch, CoreSettings, ProducerCore
 from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
-from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced, UnsupportedServer
+from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced
 from redisq.futures import check_timeout
 from redisq.keys import validate_name, validate_topic
 from redisq.protocol.produce import ProducerIdentity
@@ -170,21 +170,11 @@ class Producer:
             raise ProducerClosed(f"{what} after close()")
 
     async def _check_acks_supported(self) -> None:
-        client = self.broker.client
-        if self.acks == "fsync" and self.broker.is_cluster:
-            raise UnsupportedServer(
-                'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
+        await self.broker.run(
+            identity_ops.check_acks(
+                self.acks, cluster=self.broker.is_cluster, server=self.broker.server
             )
-        if self.acks == "fsync":
-            try:
-                await client.execute_command("WAITAOF", 0, 0, 0)
-            except redis.ResponseError as exc:
-                raise UnsupportedServer(
-                    f'acks="fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8); {self.broker.server} '
-                    "does not have it"
-                ) from exc
-            if not int((await client.info("persistence")).get("aof_enabled", 0)):
-                raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
+        )
 
     # -- topic metadata --------------------------------------------------------------------------
     async def _topic_config(self, topic: str) -> TopicConfig:
