@@ -332,7 +332,9 @@ class Consumer(Coordinator):
             try:
                 if reader is not None and reader.commit_due(now, self._ack_interval_s):
                     self._commit(tp)
-                messages = self._released(tp, reader, room) or self.io.fetch(tp, reader, room)
+                messages = self._released(tp, reader, room) or self.io.fetch(
+                    tp, reader, room, self._lock
+                )
             except LeaseLost:
                 with self._lock:
                     self._lease_lost(tp)

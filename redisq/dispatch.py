@@ -132,6 +132,14 @@ class OrderlyPartition:
                 self.held_after[after] = (message.offset, count + 1)
         return admitted
 
+    def admit_unless_moved(self, messages: list[Message], now: float, moves: int) -> list[Message]:
+        """admit() for poll(): its read, or nothing when the position jumped while the read was
+        in flight (`moves`: the count when it was sent; a seek from another thread or task):
+        the next poll() reads from where it jumped to."""
+        if self.moves != moves:
+            return []
+        return self.admit(messages, now)
+
     def admit_read(self, head: list[Message], last: str | None, now: float) -> None:
         """admit() of a read given its first messages (head, possibly [] for an empty read)
         and the offset of its last entry, for a read decoded as it is handled; the caller

@@ -421,12 +421,14 @@ class PartitionIO:
         return good
 
     def fetch(
-        self, tp: TopicPartition, reader: OrderlyPartition | None, count: int
+        self, tp: TopicPartition, reader: OrderlyPartition | None, count: int, lock: Any
     ) -> list[Message]:
         """poll(): the next messages of a partition (orderly: held keys' messages held back)."""
         if reader is not None:
+            moves = reader.moves
             messages = decode_entries(*tp, self.read_range(reader, count))
-            return reader.admit(messages, time.monotonic())
+            with lock:
+                return reader.admit_unless_moved(messages, time.monotonic(), moves)
         claimed = self.claim_idle(tp, count)
         return claimed or decode_entries(*tp, self.read_group(tp, count, [], None))
 

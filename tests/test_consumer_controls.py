@@ -23,7 +23,8 @@ import redisq.asyncio as rq
 from redisq.records import MAX_STREAM_ID_PART, Message, offset_after, offset_before
 from tests.aio import aio, start_running
 from tests.aio import wait_until as async_wait_until
-from tests.servers import ServerProcess
+from tests.history.proxy import Proxy
+from tests.servers import ServerProcess, binary_for
 from tests.test_consumer import wait_until
 
 
@@ -176,6 +177,87 @@ def test_seek_from_the_handler_with_key_lanes_takes_effect_within_a_chunk(
     old = len(seen) - 500
     assert old <= 64, f"{old} messages of the old read handled"
     assert sorted(seen[old:]) == list(range(500))
+
+
+# -- poll(): a seek while its read is in flight ----------------------------------------------------
+LATER = [f"m{i}".encode() for i in range(5, 10)]
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, Proxy]]:
+    """A private server of each kind, and a proxy in front of it that can hold a read."""
+    server = ServerProcess(binary_for(str(request.param))).start()
+    proxy = Proxy(server.port).start()
+    yield server, proxy
+    proxy.stop()
+    server.stop()
+
+
+def test_poll_seek_while_its_read_is_in_flight_wins(
+    proxied: tuple[ServerProcess, Proxy], namespace: str
+) -> None:
+    """poll() in one thread, its read held by the network; seek() back to the first message
+    from another thread; the read's reply then arrives: it was sent before the seek and is
+    dropped, and poll() returns the messages from the seek's offset (before, the read's end
+    overwrote the seek: m5..m9 came back and the seek was lost)."""
+    server, proxy = proxied
+    with redisq.connect(server.url, namespace=namespace) as direct:
+        direct.create_topic("t", partitions=1)
+        offsets = send(direct, *VALUES)
+        with redisq.connect(proxy.url, namespace=namespace) as via:
+            consumer = via.consumer("t", "g")
+            first: list[Message] = []
+            wait_until(lambda: bool(first.extend(consumer.poll(0.2, 5))) or len(first) == 5,
+                       what="the first five polled")  # fmt: skip
+            consumer.ack(first)
+            consumer.commit()
+            send(direct, *LATER)
+            polled: list[Message] = []
+            poller = threading.Thread(target=lambda: polled.extend(consumer.poll(10, 5)))
+            proxy.blackhole()
+            poller.start()
+            wait_until(lambda: proxy.holds_for_server(b"XRANGE"), what="the poll's read held")
+            consumer.seek(0, offsets[0])
+            proxy.heal()
+            poller.join(15)
+            assert not poller.is_alive()
+            assert [m.value for m in polled] == VALUES
+            consumer.ack(polled)
+            assert [m.value for m in consumer.poll(5, 10)] == LATER
+            consumer.close()
+
+
+@aio
+async def test_asyncio_poll_seek_while_its_read_is_in_flight_wins(
+    proxied: tuple[ServerProcess, Proxy], namespace: str
+) -> None:
+    server, proxy = proxied
+    with redisq.connect(server.url, namespace=namespace) as direct:
+        direct.create_topic("t", partitions=1)
+        offsets = send(direct, *VALUES)
+        broker = await rq.connect(proxy.url, namespace=namespace)
+        consumer = broker.consumer("t", "g")
+        try:
+            first: list[Message] = []
+            while len(first) < 5:
+                first.extend(await consumer.poll(0.2, 5))
+            await consumer.ack(first)
+            await consumer.commit()
+            send(direct, *LATER)
+            proxy.blackhole()
+            poll = asyncio.ensure_future(consumer.poll(10, 5))
+            await async_wait_until(
+                lambda: proxy.holds_for_server(b"XRANGE"), what="the poll's read held"
+            )
+            consumer.seek(0, offsets[0])
+            proxy.heal()
+            polled = await asyncio.wait_for(poll, 15)
+            assert [m.value for m in polled] == VALUES
+            await consumer.ack(polled)
+            assert [m.value for m in await consumer.poll(5, 10)] == LATER
+        finally:
+            await consumer.close()
+            await broker.close()
 
 
 # -- a seek past the end -------------------------------------------------------------------------

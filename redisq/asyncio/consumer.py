@@ -268,8 +268,11 @@ class Consumer(Coordinator):
                         await self._commit(tp)
                     messages = await self._released(reader, room)
                     if not messages:
+                        moves = reader.moves
                         entries = await self.io.read_range(reader, room)
-                        messages = reader.admit(decode_entries(*tp, entries), now)
+                        messages = reader.admit_unless_moved(
+                            decode_entries(*tp, entries), now, moves
+                        )
                 else:
                     messages = await self.io.claim_idle(tp, room) or decode_entries(
                         *tp, await self.io.read_group(tp, room, [], None)

@@ -89,6 +89,11 @@ class Proxy:
     def held_connections(self) -> list[int]:
         return self._call(self._held_connections())
 
+    def holds_for_server(self, needle: bytes) -> bool:
+        """Some connection holds bytes for the server containing `needle` (case-insensitive):
+        a command sent while the proxy blackholes, not forwarded yet."""
+        return self._call(self._holds_for_server(needle.lower()))
+
     def release_held(self) -> int:
         """Forward what frozen connections hold; returns how many had bytes for the server."""
         return self._call(self._release_held())
@@ -179,6 +184,12 @@ class Proxy:
             "held_bytes": sum(c.held_bytes for c in conns if c.frozen),
             "accepted": self._count,
         }
+
+    async def _holds_for_server(self, needle: bytes) -> bool:
+        return any(
+            needle in b"".join(chunk for chunk in c.to_server.held if chunk).lower()
+            for c in self._connections.values()
+        )
 
     async def _released_settled(self) -> bool:
         return all(
