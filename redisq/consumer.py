@@ -67,8 +67,12 @@ class Consumer(Coordinator):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- membership ------------------------------------------------------------------------------
     # -- public API ------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once close() was called (while it finishes what is in flight, and after)."""
+        return self._closed
+
     @property
     def assignment(self) -> list[int] | list[TopicPartition]:
         """What this member holds now: partition numbers for a consumer of one topic, else

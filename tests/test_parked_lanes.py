@@ -278,9 +278,10 @@ def test_lanes_close_while_a_lane_is_busy(broker: redisq.Broker, parked: str) ->
         assert handler.started[b"A1"].wait(30)
         wait_until(lambda: held_recorded(broker, member.commit), what="K2 held, recorded")
         assert before(partition(broker).last_delivered, a1)  # A1 is still being handled
+        assert not member.closed
         closing = threading.Thread(target=member.close)
         closing.start()  # the batch stops: K2 stays held, the position before the batch
-        wait_until(member._stopping.is_set, what="close() under way")
+        wait_until(lambda: member.closed, what="close() under way")
     finally:
         gate.set()
     closing.join(30)
@@ -330,8 +331,9 @@ async def test_lanes_close_while_a_lane_is_busy_async(env: Env, parked: str) -> 
 
             await async_wait_until(recorded, what="K2 held, recorded")
             assert before(partition(env.sync).last_delivered, a1)
+            assert not member.closed
             closing = asyncio.ensure_future(member.close())
-            await async_wait_until(member._stopping.is_set, what="close() under way")
+            await async_wait_until(lambda: member.closed, what="close() under way")
         finally:
             gate.set()
         await asyncio.wait_for(closing, 30)

@@ -57,8 +57,12 @@ class Consumer(Coordinator):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- membership ------------------------------------------------------------------------------
     # -- public API ------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once close() was called (while it finishes what is in flight, and after)."""
+        return self._closed
+
     @property
     def assignment(self) -> list[int] | list[TopicPartition]:
         held = self.ownership.held()
