@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import redis
 
 from redisq import metrics
-from redisq.dispatch import OrderlyPartition
+from redisq.dispatch import OrderlyPartition, untried_at
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.group import GroupMembership
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
@@ -299,7 +299,8 @@ class Coordinator:
                     log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
                 self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
-                if self._memberships[tp[0]].release_lease(owned.lease):
+                untried = untried_at(reader)
+                if self._memberships[tp[0]].release_lease(owned.lease, untried):
                     log.info("%s: released %s/%d", self.name, tp[0], tp[1])
                 else:
                     with self._lock:

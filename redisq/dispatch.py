@@ -60,6 +60,8 @@ class OrderlyPartition:
         self.commit_in_flight: Commit | None = None
         # The message after the position was handed to this many owners that never got past it.
         self.head_attempts = 1 + grant.takeovers
+        self.granted_at = grant.position
+        self.gave_out = False  # a message was given out (to a handler or poll's caller)
         # consume-transform-produce: the position an open transaction carries (plain commits
         # wait for it), and how many entries it moves over
         self.transaction: str | None = None
@@ -150,6 +152,7 @@ class OrderlyPartition:
                 self.unblocked(now)
         if not head or last is None:
             return
+        self.gave_out = True
         if self.head_attempts > 1 and self.read_from == self.committed_at and not self.inclusive:
             # The first read after the grant: its first message may be one no owner survived.
             head[0] = replace(head[0], attempt=self.head_attempts)
@@ -200,6 +203,7 @@ class OrderlyPartition:
         if limit is not None and len(free) > limit:
             self.next_parked_check = 0.0
             del free[limit:]
+        self.gave_out = self.gave_out or bool(free)
         return free
 
     # -- handling --------------------------------------------------------------------------------
@@ -411,6 +415,14 @@ def lanes_end(messages: list[Message], blocks_malformed: bool) -> int:
             if message.__class__ is MalformedMessage:
                 return i
     return len(messages)
+
+
+def untried_at(reader: OrderlyPartition | None) -> str | None:
+    """For release_lease: the position an orderly owner was granted at, when it gave out no
+    message from there (its grant made no attempt at the message after it); else None."""
+    if reader is None or reader.gave_out:
+        return None
+    return reader.granted_at
 
 
 def admitted_chunks(

@@ -123,9 +123,10 @@ class GroupMembership:
         """PEXPIRE while the value is still ours; False means lost."""
         return self._scripts.run(calls.renew_lease(self._keys, lease, self.lease_ttl_ms))
 
-    def release_lease(self, lease: Lease) -> bool:
-        """DEL while the value is still ours, so the next owner need not wait for the ttl."""
-        return self._scripts.run(calls.release_lease(self._keys, lease))
+    def release_lease(self, lease: Lease, untried_at: str | None = None) -> bool:
+        """DEL while the value is still ours, so the next owner need not wait for the ttl
+        (untried_at: see redisq.protocol.group.release_lease)."""
+        return self._scripts.run(calls.release_lease(self._keys, lease, untried_at))
 
     def ensure_stream_group(self, partition: int) -> None:
         """Concurrent mode takes no leases: create the Redis consumer group directly."""

@@ -16,7 +16,7 @@ import redis
 from redisq import metrics
 from redisq.asyncio.scheduler import Scheduler
 from redisq.coordinator import default_member_name
-from redisq.dispatch import OrderlyPartition
+from redisq.dispatch import OrderlyPartition, untried_at
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.ownership import OwnershipCore, TopicPartition
@@ -280,7 +280,7 @@ class Coordinator:
                 await self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
                 released = await self.broker.scripts.run(
-                    calls.release_lease(self.broker.keys, owned.lease)
+                    calls.release_lease(self.broker.keys, owned.lease, untried_at(reader))
                 )
                 if not released and self.ownership.lost(tp):
                     self.stats.leases_lost += 1
