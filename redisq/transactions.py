@@ -179,12 +179,18 @@ class Writer:
         )
 
 
+# An undecided half message waits this long past its last check-back for a member of its group
+# to come back and ask `check` (RocketMQ keeps its half topic's messages for the retention, 72 h
+# by default): an outage of the whole group shorter than this loses nothing.
+HALF_KEEP_MS = 72 * 3600 * 1000
+
+
 def expire_ms(settings: ProducerSettings) -> int:
-    """How long an undecided transaction's keys live: past its timeout (half messages: past the
-    last check-back), with an hour to spare for a sweeper or a checker to come by."""
+    """How long an undecided transaction's keys live: past its timeout, with an hour to spare
+    for a sweeper to come by; a half message: past its last check-back, by HALF_KEEP_MS."""
     if settings.transactional_group is not None:
         checks = settings.check_first_ms + settings.check_interval_ms * settings.max_checks
-        return max(settings.transaction_timeout_ms, checks) + 3_600_000
+        return max(settings.transaction_timeout_ms, checks) + HALF_KEEP_MS
     return settings.transaction_timeout_ms + 3_600_000
 
 

@@ -476,6 +476,31 @@ def test_undecided_half_message_waits_for_check_back(
     assert values_of(broker, "orders") == [b"created"]
 
 
+def test_an_undecided_half_message_waits_three_days_for_its_group(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """No member of the group is left to check back (the service is down): the half message
+    and its record are kept 72 h past the last check-back (RocketMQ's half-topic retention),
+    not one hour, and a member that comes back within that commits it."""
+    broker.create_topic("orders", partitions=2)
+    with driver.producer(transactional_group="svc", check=Answers(redisq.TxState.UNKNOWN),
+                         check_first_ms=1_000) as producer:  # fmt: skip
+        half = producer.send_in_transaction(
+            "orders", b"created", local=Answers(redisq.TxState.UNKNOWN)
+        )
+    client, keys = broker.client, broker.keys
+    day = 24 * 3600 * 1000
+    for key in (
+        keys.transaction(half.transaction_id),
+        keys.transaction_messages(half.transaction_id),
+    ):
+        assert client.pttl(key) > 3 * day, key
+    check = Answers(redisq.TxState.COMMIT)
+    with driver.producer(transactional_group="svc", check=check, **CHECKS):
+        wait_until(lambda: values_of(broker, "orders") == [b"created"], 15, "the commit")
+    assert [tx_id for tx_id, _ in check.calls][:1] == [half.transaction_id]
+
+
 def test_check_back_rollback_discards(broker: redisq.Broker, driver: Any) -> None:
     broker.create_topic("orders", partitions=2)
     check = Answers(redisq.TxState.ROLLBACK)
