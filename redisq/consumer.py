@@ -333,11 +333,12 @@ class Consumer(Coordinator):
                 reader = self._readers.get(tp)
                 if reader is not None and reader.outstanding:
                     continue
+                moves = reader.moves if reader is not None else 0  # a seek, a hand-over: dropped
             try:
                 if reader is not None and reader.commit_due(now, self._ack_interval_s):
                     self._commit(tp)
                 messages = self._released(tp, reader, room) or self.io.fetch(
-                    tp, reader, room, self._lock
+                    tp, reader, room, self._lock, moves
                 )
             except LeaseLost:
                 with self._lock:
@@ -346,7 +347,7 @@ class Consumer(Coordinator):
             except redis.RedisError as exc:
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
-            messages = self.io.screen(reader, messages, self.stats, self._lock)
+            messages = self.io.screen(reader, messages, self.stats, self._lock, moves)
             self.stats.consumed += len(messages)
             result.extend(self._deserialize(m) for m in messages)
         return result

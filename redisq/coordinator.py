@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import redis
 
 from redisq import metrics
-from redisq.dispatch import OrderlyPartition, untried_at
+from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.group import GroupMembership
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
@@ -225,7 +225,7 @@ class Coordinator:
                 )
             except (RedisqError, redis.RedisError) as exc:
                 log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
-                membership.release_lease(grant.lease)
+                membership.release_lease(grant.lease, grant.position)  # nothing given out
                 return
         reader = OrderlyPartition(grant)
         self.io.load_parked(reader)
@@ -291,6 +291,7 @@ class Coordinator:
             if owned is None or owned.finishing:
                 return
             owned.finishing = True
+            untried = reader.hand_back() if reader is not None else None  # a poll() read: dropped
         try:
             if reader is not None:
                 try:
@@ -299,7 +300,6 @@ class Coordinator:
                     log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
                 self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
-                untried = untried_at(reader)
                 if self._memberships[tp[0]].release_lease(owned.lease, untried):
                     log.info("%s: released %s/%d", self.name, tp[0], tp[1])
                 else:

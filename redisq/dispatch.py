@@ -134,6 +134,32 @@ class OrderlyPartition:
                 self.held_after[after] = (message.offset, count + 1)
         return admitted
 
+    def hand_back(self) -> str | None:
+        """The partition is being handed back (close, revoke): a read in flight is dropped, never
+        given out. Returns the position the lease was granted at when this owner gave out no
+        message from there (release_lease.lua takes its grant's takeover count back), else
+        None."""
+        self.moves += 1
+        return None if self.gave_out else self.granted_at
+
+    def screened(
+        self, given: list[Message], passed: list[str], block_at: str | None, now: float, moves: int
+    ) -> bool:
+        """poll()'s read, its malformed entries seen to: `given` go to the caller, `passed`
+        (dead-lettered) are acked, and a block at `block_at` reads again from there. False, with
+        nothing recorded, when the position moved since the read was sent (a seek, a hand-over):
+        the caller drops the read."""
+        if self.moves != moves:
+            return False
+        self.given(given)
+        self.pending.dead_letters += len(passed)
+        self.pending.malformed += len(passed)
+        self.ack(passed, now)
+        if block_at is not None:
+            self.blocked = block_at
+            self.reread_from(block_at)
+        return True
+
     def admit_unless_moved(self, messages: list[Message], now: float, moves: int) -> list[Message]:
         """admit() for poll(): its read, or nothing when the position jumped while the read was
         in flight (`moves`: the count when it was sent; a seek from another thread or task):
@@ -415,14 +441,6 @@ def lanes_end(messages: list[Message], blocks_malformed: bool) -> int:
             if message.__class__ is MalformedMessage:
                 return i
     return len(messages)
-
-
-def untried_at(reader: OrderlyPartition | None) -> str | None:
-    """For release_lease: the position an orderly owner was granted at, when it gave out no
-    message from there (its grant made no attempt at the message after it); else None."""
-    if reader is None or reader.gave_out:
-        return None
-    return reader.granted_at
 
 
 def admitted_chunks(

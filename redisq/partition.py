@@ -380,14 +380,17 @@ class PartitionIO:
         messages: list[Message],
         stats: ConsumerStats,
         lock: Any,
+        moves: int = 0,
     ) -> list[Message]:
         """poll(): malformed entries go to the failure policy, never to the caller; a block stops
         the batch there (orderly: read again from it after a backoff). Orderly, the batch is
         given to the caller in order, the dead-lettered ones acked at once (the position passes
-        them only with the messages before them)."""
+        them only with the messages before them), unless the position moved since the read was
+        sent (`moves`: a seek, a hand-over): then nothing is given."""
         good: list[Message] = []
         given: list[Message] = []
         passed: list[str] = []
+        block_at = None
         for message in messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
@@ -406,26 +409,22 @@ class PartitionIO:
                 if reader.blocked != message.offset:
                     self.note_malformed(message, "blocking (policy block)")
                     self.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
-                with lock:
-                    reader.blocked = message.offset
-                    reader.reread_from(message.offset)
+                block_at = message.offset
             else:
                 self.note_malformed(message, "left pending (policy block)")
             break
         if reader is not None:
             with lock:
-                reader.given(given)
-                reader.pending.dead_letters += len(passed)
-                reader.pending.malformed += len(passed)
-                reader.ack(passed, time.monotonic())
+                if not reader.screened(given, passed, block_at, time.monotonic(), moves):
+                    return []
         return good
 
     def fetch(
-        self, tp: TopicPartition, reader: OrderlyPartition | None, count: int, lock: Any
+        self, tp: TopicPartition, reader: OrderlyPartition | None, count: int, lock: Any, moves: int
     ) -> list[Message]:
-        """poll(): the next messages of a partition (orderly: held keys' messages held back)."""
+        """poll(): the next messages of a partition (orderly: held keys' messages held back;
+        nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
-            moves = reader.moves
             messages = decode_entries(*tp, self.read_range(reader, count))
             with lock:
                 return reader.admit_unless_moved(messages, time.monotonic(), moves)

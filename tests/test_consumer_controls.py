@@ -227,6 +227,38 @@ def test_poll_seek_while_its_read_is_in_flight_wins(
             consumer.close()
 
 
+def test_poll_seek_after_the_read_was_admitted_wins(broker: redisq.Broker) -> None:
+    """A seek from another thread after poll()'s read was admitted but before it was given
+    out (the window where malformed entries are dead-lettered): the read is dropped and poll()
+    returns the messages from the seek's offset. Before, it returned the read (m3..m5), made it
+    outstanding again, and acking it committed past the seek (white-box: the seek is made from
+    inside the consumer's screening step)."""
+    broker.create_topic("t", partitions=1)
+    values = [f"m{i}".encode() for i in range(6)]
+    offsets = send(broker, *values)
+    consumer = broker.consumer("t", "g")
+    first = consumer.poll(10, 3)
+    assert [m.value for m in first] == values[:3]
+    consumer.ack(first)
+    consumer.commit()
+    real_screen = consumer.io.screen
+
+    def seek_then_screen(*args: Any) -> Any:
+        consumer.io.screen = real_screen  # type: ignore[method-assign]
+        seeker = threading.Thread(target=consumer.seek, args=(0, offsets[0]))
+        seeker.start()
+        seeker.join()
+        return real_screen(*args)
+
+    consumer.io.screen = seek_then_screen  # type: ignore[method-assign]
+    polled = consumer.poll(5, 3)
+    assert [m.value for m in polled] == values[:3]  # before: m3..m5
+    assert consumer.ack(polled) == 3
+    consumer.commit()
+    assert consumer.committed(0) == offsets[2]
+    consumer.close()
+
+
 @aio
 async def test_asyncio_poll_seek_while_its_read_is_in_flight_wins(
     proxied: tuple[ServerProcess, Proxy], namespace: str

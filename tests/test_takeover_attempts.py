@@ -11,6 +11,10 @@ so members coming and going ran a message's attempts up without calling a handle
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from typing import Any
+
 import pytest
 
 import redisq
@@ -108,3 +112,98 @@ def test_a_member_that_gave_the_message_out_counts(broker: redisq.Broker) -> Non
         member.run(handler, idle_timeout=1.0)
     assert attempts == [2, 3]
     assert dead_letters(broker) == [b"poison"]
+
+
+# -- a hand-over while poll()'s read is in flight ----------------------------------------------
+def test_close_while_polls_read_is_in_flight_gives_nothing_out(broker: redisq.Broker) -> None:
+    """Owner 2's poll() has read the message on the server (under its lease) and the reply is
+    still on its way when close() hands the partition back. The read is dropped: poll() gives
+    nothing out after the hand-back, so taking the grant's count back is right, and the next
+    owner sees attempt 2 (owner 1 was given it). Before, poll() gave the message out after the
+    lease was released while its attempt was taken back. The reply's delay is made by holding
+    the read's return until close() has returned (white-box: the partition reader's I/O)."""
+    broker.create_topic("t", partitions=1)
+    with broker.producer() as producer:
+        producer.send("t", b"poison", key="k")
+    options = {"max_attempts": 3, "retry_backoff_ms": 10, "max_retry_backoff_ms": 10}
+    first = broker.consumer("t", "g", **options)  # type: ignore[arg-type]
+    assert [m.attempt for m in first.poll(10, 1)] == [1]  # given out, never acked: counts
+    first.close()
+
+    second = broker.consumer("t", "g", **options)  # type: ignore[arg-type]
+    wait_until(lambda: second.assignment == [0], what="owner 2 granted")
+    read_done, closed = threading.Event(), threading.Event()
+    real_read = second.io.read_range
+
+    def read_then_wait(reader: Any, count: int) -> Any:
+        entries = real_read(reader, count)  # ran on the server, under owner 2's lease
+        read_done.set()
+        assert closed.wait(30)
+        return entries
+
+    second.io.read_range = read_then_wait  # type: ignore[method-assign]
+    polled: list[Message] = []
+    poller = threading.Thread(target=lambda: polled.extend(second.poll(5, 1)))
+    poller.start()
+    assert read_done.wait(30)
+    second.close()
+    closed.set()
+    poller.join(30)
+    assert polled == []  # before: [poison] (attempt 2), given out after the lease was released
+
+    attempts: list[int] = []
+
+    def handler(message: Message) -> None:
+        attempts.append(message.attempt)
+        raise RuntimeError("fails every time")
+
+    with broker.consumer("t", "g", **options) as third:  # type: ignore[arg-type]
+        third.run(handler, idle_timeout=1.0)
+    assert attempts == [2, 3]
+    assert dead_letters(broker) == [b"poison"]
+
+
+@aio
+async def test_asyncio_close_while_polls_read_is_in_flight_gives_nothing_out(env: Env) -> None:
+    env.sync.create_topic("t", partitions=1)
+    with env.sync.producer() as producer:
+        producer.send("t", b"poison", key="k")
+    options = {"max_attempts": 3, "retry_backoff_ms": 10, "max_retry_backoff_ms": 10}
+    attempts: list[int] = []
+
+    async def handler(message: Message) -> None:
+        attempts.append(message.attempt)
+        raise RuntimeError("fails every time")
+
+    async with env.connect() as broker:
+        first = broker.consumer("t", "g", **options)  # type: ignore[arg-type]
+        assert [m.attempt for m in await first.poll(10, 1)] == [1]
+        await first.close()
+
+        second = broker.consumer("t", "g", **options)  # type: ignore[arg-type]
+        await second.start()
+        await async_wait_until(lambda: second.assignment == [0], what="owner 2 granted")
+        read_done, closed = asyncio.Event(), asyncio.Event()
+        real_read = second.io.read_range
+
+        async def read_then_wait(reader: Any, count: int) -> Any:
+            entries = await real_read(reader, count)
+            read_done.set()
+            await asyncio.wait_for(closed.wait(), 30)
+            return entries
+
+        second.io.read_range = read_then_wait  # type: ignore[method-assign]
+        poll = asyncio.ensure_future(second.poll(5, 1))
+        await asyncio.wait_for(read_done.wait(), 30)
+        await second.close()
+        closed.set()
+        assert await asyncio.wait_for(poll, 30) == []
+
+        third = broker.consumer("t", "g", **options)  # type: ignore[arg-type]
+        await third.start()
+        try:
+            await third.run(handler, idle_timeout=1.0)
+        finally:
+            await third.close()
+    assert attempts == [2, 3]
+    assert dead_letters(env.sync) == [b"poison"]

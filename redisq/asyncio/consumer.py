@@ -266,13 +266,13 @@ class Consumer(Coordinator):
             reader = self._readers.get(tp)
             if reader is not None and reader.outstanding:
                 continue
+            moves = reader.moves if reader is not None else 0  # a seek, a hand-over: dropped
             try:
                 if reader is not None:
                     if reader.commit_due(now, self._ack_interval_s):
                         await self._commit(tp)
                     messages = await self._released(reader, room)
                     if not messages:
-                        moves = reader.moves
                         entries = await self.io.read_range(reader, room)
                         messages = reader.admit_unless_moved(
                             decode_entries(*tp, entries), now, moves
@@ -287,7 +287,7 @@ class Consumer(Coordinator):
             except redis.RedisError as exc:
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
-            messages = await self._screen(reader, messages)
+            messages = await self._screen(reader, messages, moves)
             self.stats.consumed += len(messages)
             result.extend(self._deserialize(m) for m in messages)
         return result
@@ -300,12 +300,13 @@ class Consumer(Coordinator):
         return await self.io.fetch_offsets(reader.tp, free) if free else []
 
     async def _screen(
-        self, reader: OrderlyPartition | None, messages: list[Message]
+        self, reader: OrderlyPartition | None, messages: list[Message], moves: int
     ) -> list[Message]:
         """As redisq.partition.PartitionIO.screen (malformed entries go to the policy)."""
         good: list[Message] = []
         given: list[Message] = []
         passed: list[str] = []
+        block_at = None
         for message in messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
@@ -323,14 +324,11 @@ class Consumer(Coordinator):
             if reader is not None:
                 if reader.blocked != message.offset:
                     await self.io.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
-                reader.blocked = message.offset
-                reader.reread_from(message.offset)
+                block_at = message.offset
             break
         if reader is not None:
-            reader.given(given)
-            reader.pending.dead_letters += len(passed)
-            reader.pending.malformed += len(passed)
-            reader.ack(passed, time.monotonic())
+            if not reader.screened(given, passed, block_at, time.monotonic(), moves):
+                return []
         return good
 
     def _tp(self, partition: int | TopicPartition) -> TopicPartition:

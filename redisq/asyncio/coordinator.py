@@ -16,7 +16,7 @@ import redis
 from redisq import metrics
 from redisq.asyncio.scheduler import Scheduler
 from redisq.coordinator import default_member_name
-from redisq.dispatch import OrderlyPartition, untried_at
+from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.ownership import OwnershipCore, TopicPartition
@@ -226,7 +226,9 @@ class Coordinator:
                 grant = await self.broker.run(settle_input(self.broker.keys, grant))
             except (RedisqError, redis.RedisError) as exc:
                 log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
-                await self.broker.scripts.run(calls.release_lease(self.broker.keys, grant.lease))
+                await self.broker.scripts.run(
+                    calls.release_lease(self.broker.keys, grant.lease, grant.position)
+                )  # nothing given out
                 return
         reader = OrderlyPartition(grant)
         await self.io.load_parked(reader)
@@ -271,6 +273,7 @@ class Coordinator:
         if owned is None or owned.finishing:
             return
         owned.finishing = True
+        untried = reader.hand_back() if reader is not None else None  # a poll() read: dropped
         try:
             if reader is not None:
                 try:
@@ -280,7 +283,7 @@ class Coordinator:
                 await self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
                 released = await self.broker.scripts.run(
-                    calls.release_lease(self.broker.keys, owned.lease, untried_at(reader))
+                    calls.release_lease(self.broker.keys, owned.lease, untried)
                 )
                 if not released and self.ownership.lost(tp):
                     self.stats.leases_lost += 1
