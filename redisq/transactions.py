@@ -179,9 +179,9 @@ class Writer:
         )
 
 
-# An undecided half message waits this long past its last check-back for a member of its group
-# to come back and ask `check` (RocketMQ keeps its half topic's messages for the retention, 72 h
-# by default): an outage of the whole group shorter than this loses nothing.
+# An undecided half message's keys live this long past the time its last check-back is due (set
+# when it is staged), for a member of its group to come back and ask `check` (RocketMQ keeps its
+# half topic's messages for the retention, 72 h by default).
 HALF_KEEP_MS = 72 * 3600 * 1000
 
 

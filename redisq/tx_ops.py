@@ -413,10 +413,11 @@ def settle_input(keys: KeySpace, grant: Grant) -> Operation[Grant]:
     here = (lease.group, lease.topic, lease.partition)
     for position in record.positions if record is not None else []:
         if state == "committed" and (position.group, position.topic, position.partition) == here:
-            return replace(
+            return replace(  # the takeovers were counted at the old position, not this one
                 grant,
                 position=position.position,
                 entries_read=position.entries_read,
+                takeovers=0,
                 pending_tx=None,
             )
     dropped = InputPosition(lease.group, lease.topic, lease.partition, "", None)
