@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,14 +223,9 @@ def servers(url: str | None) -> list[tuple[str, str | None]]:
     return found
 
 
-def run(url: str | None, ids: int, rounds: int) -> list[Row]:
-    layouts = [
-        Layout("hash id -> offset (redisq today)", TWO_HASHES, ids),
-        Layout("hash fingerprint -> offset", TWO_HASHES, ids),
-        Layout(f"small hashes by fingerprint (~{IDS_PER_SMALL_HASH} ids each)", SMALL_HASHES, ids),
-        Layout("key per id, SET NX PX", KEY_PER_ID, ids),
-    ]
-    rows: list[Row] = []
+def server_clients(url: str | None) -> Iterator[tuple[str, Any]]:
+    """(label, client) of each server to measure: the one at --url, or our own redis-server
+    and embedded valkey-server, each started for the measurement and stopped after it."""
     for name, binary in servers(url):
         process = None
         target = name
@@ -238,31 +234,39 @@ def run(url: str | None, ids: int, rounds: int) -> list[Row]:
         try:
             client = redis.Redis.from_url(target)
             info = client.info("server")
-            label = f"{name} {info.get('valkey_version') or info['redis_version']}"
-            if url is not None:
-                label = "your server"
-            measured: dict[str, list[Row]] = {layout.name: [] for layout in layouts}
-            for round_no in range(rounds):
-                for layout in layouts:  # interleaved: each round measures every layout
-                    measured[layout.name].append(measure(client, label, layout, ids))
-                print(
-                    f"  {label}: round {round_no + 1} of {rounds} done", file=sys.stderr, flush=True
-                )
-            for layout in layouts:
-                got = measured[layout.name]
-                rows.append(
-                    Row(
-                        label,
-                        layout.name,
-                        statistics.median(r.bytes_per_id for r in got),
-                        statistics.median(r.server_us_per_id for r in got),
-                    )
-                )
+            version = info.get("valkey_version") or info["redis_version"]
+            yield ("your server" if url is not None else f"{name} {version}"), client
             client.close()
         finally:
             if process is not None:
                 process.terminate()
                 process.wait(timeout=30)
+
+
+def run(url: str | None, ids: int, rounds: int) -> list[Row]:
+    layouts = [
+        Layout("hash id -> offset (redisq today)", TWO_HASHES, ids),
+        Layout("hash fingerprint -> offset", TWO_HASHES, ids),
+        Layout(f"small hashes by fingerprint (~{IDS_PER_SMALL_HASH} ids each)", SMALL_HASHES, ids),
+        Layout("key per id, SET NX PX", KEY_PER_ID, ids),
+    ]
+    rows: list[Row] = []
+    for label, client in server_clients(url):
+        measured: dict[str, list[Row]] = {layout.name: [] for layout in layouts}
+        for round_no in range(rounds):
+            for layout in layouts:  # interleaved: each round measures every layout
+                measured[layout.name].append(measure(client, label, layout, ids))
+            print(f"  {label}: round {round_no + 1} of {rounds} done", file=sys.stderr, flush=True)
+        for layout in layouts:
+            got = measured[layout.name]
+            rows.append(
+                Row(
+                    label,
+                    layout.name,
+                    statistics.median(r.bytes_per_id for r in got),
+                    statistics.median(r.server_us_per_id for r in got),
+                )
+            )
     return rows
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from dedup_layouts import delete_namespace, servers, start_server, used_memory
+from dedup_layouts import delete_namespace, server_clients, used_memory
 
 PARTITIONS = 4
 TTL_MS = 86_400_000
@@ -145,40 +145,26 @@ def measure(client: Any, server: str, layout: Layout, states: int) -> Row:
 
 def run(url: str | None, states: int, rounds: int) -> list[Row]:
     rows: list[Row] = []
-    for name, binary in servers(url):
-        process = None
-        target = name
-        if binary is not None:
-            process, target = start_server(binary)
-        try:
-            client = redis.Redis.from_url(target)
-            info = client.info("server")
-            version = info.get("valkey_version") or info["redis_version"]
-            label = "your server" if url else f"{name} {version}"
-            layouts = [x for x in LAYOUTS if x.needs is None or has_command(client, x.needs)]
-            measured: dict[str, list[Row]] = {x.name: [] for x in layouts}
-            for round_no in range(rounds):
-                for layout in layouts:  # interleaved
-                    measured[layout.name].append(measure(client, label, layout, states))
-                print(f"  {label}: round {round_no + 1} of {rounds} done", file=sys.stderr)
-            for layout in LAYOUTS:
-                got = measured.get(layout.name)
-                if not got:
-                    print(f"  {label}: no {layout.needs}: {layout.name!r} skipped", file=sys.stderr)
-                    continue
-                rows.append(
-                    Row(
-                        label,
-                        layout.name,
-                        statistics.median(r.bytes_per_state for r in got),
-                        statistics.median(r.memory_usage for r in got),
-                    )
+    for label, client in server_clients(url):
+        layouts = [x for x in LAYOUTS if x.needs is None or has_command(client, x.needs)]
+        measured: dict[str, list[Row]] = {x.name: [] for x in layouts}
+        for round_no in range(rounds):
+            for layout in layouts:  # interleaved
+                measured[layout.name].append(measure(client, label, layout, states))
+            print(f"  {label}: round {round_no + 1} of {rounds} done", file=sys.stderr)
+        for layout in LAYOUTS:
+            got = measured.get(layout.name)
+            if not got:
+                print(f"  {label}: no {layout.needs}: {layout.name!r} skipped", file=sys.stderr)
+                continue
+            rows.append(
+                Row(
+                    label,
+                    layout.name,
+                    statistics.median(r.bytes_per_state for r in got),
+                    statistics.median(r.memory_usage for r in got),
                 )
-            client.close()
-        finally:
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=30)
+            )
     return rows
 
 
