@@ -81,11 +81,14 @@ class OrderlyPartition:
         return offset_before(self.read_from) or "0-0"  # no entry has ID 0-0
 
     def seek(self, offset: str) -> None:
-        """Read from `offset` (inclusive) next; nothing given out is expected back any more."""
+        """Read from `offset` (inclusive) next; nothing given out is expected back any more. A
+        block is cleared with the next commit (reading from the offset blocks again if it meets
+        the entry again)."""
         self.read_from, self.inclusive = offset, True
         self.moves += 1
         self.outstanding.clear()
         self.unacked.clear()
+        self.unblocked(time.monotonic())
 
     def reread_from(self, offset: str) -> None:
         """Read again from `offset` (inclusive): a malformed entry the policy blocks on."""
@@ -143,21 +146,31 @@ class OrderlyPartition:
         return None if self.gave_out else self.granted_at
 
     def screened(
-        self, given: list[Message], passed: list[str], block_at: str | None, now: float, moves: int
+        self,
+        given: list[Message],
+        passed: list[str],
+        block_at: str | None,
+        now: float,
+        moves: int,
+        *,
+        marked: bool = False,
     ) -> bool:
         """poll()'s read, its malformed entries seen to: `given` go to the caller, `passed`
-        (dead-lettered) are acked, and a block at `block_at` reads again from there. False, with
-        nothing recorded, when the position moved since the read was sent (a seek, a hand-over):
-        the caller drops the read."""
+        (dead-lettered) are acked, and a block at `block_at` reads again from there (block_on).
+        False when the position moved since the read was sent (a seek, a hand-over): nothing is
+        recorded and the caller drops the read; a block mark the screening wrote for it
+        (`marked`) is cleared with the next commit."""
         if self.moves != moves:
+            if marked:
+                self.pending.clear_blocked = True
+                self._touch(now)
             return False
         self.given(given)
         self.pending.dead_letters += len(passed)
         self.pending.malformed += len(passed)
         self.ack(passed, now)
         if block_at is not None:
-            self.blocked = block_at
-            self.reread_from(block_at)
+            self.block_on(block_at)
         return True
 
     def admit_unless_moved(self, messages: list[Message], now: float, moves: int) -> list[Message]:

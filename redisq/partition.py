@@ -391,11 +391,14 @@ class PartitionIO:
         given: list[Message] = []
         passed: list[str] = []
         block_at = None
+        marked = False
         for message in messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
                 given.append(message)
                 continue
+            if reader is not None and reader.moves != moves:
+                return []  # dropped (screened() says so again under the lock): no I/O for it
             action = self.policy.malformed()
             if not (reader is not None and reader.blocked == message.offset):
                 stats.malformed += 1
@@ -409,13 +412,15 @@ class PartitionIO:
                 if reader.blocked != message.offset:
                     self.note_malformed(message, "blocking (policy block)")
                     self.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
+                    marked = True
                 block_at = message.offset
             else:
                 self.note_malformed(message, "left pending (policy block)")
             break
         if reader is not None:
             with lock:
-                if not reader.screened(given, passed, block_at, time.monotonic(), moves):
+                now = time.monotonic()
+                if not reader.screened(given, passed, block_at, now, moves, marked=marked):
                     return []
         return good
 

@@ -353,6 +353,84 @@ def test_block_in_poll_returns_what_came_before_and_waits(broker: redisq.Broker)
     assert describe_group(broker, "orders", "g").partitions[0].blocked_offset is None
 
 
+def test_block_in_poll_is_cleared_by_a_seek_past_it(broker: redisq.Broker) -> None:
+    """poll() blocks on a malformed entry; the caller seeks past it: describe_group no longer
+    shows the partition blocked once the next commit lands (before, the mark stayed for ever)."""
+    broker.create_topic("orders", partitions=1)
+    with broker.producer() as producer:
+        producer.send("orders", json.dumps({"n": 0}), key="a")
+        bad = xadd(broker, "orders", 0, FOREIGN["non-numeric sequence"])
+        after = producer.send("orders", json.dumps({"n": 1}), key="b").offset
+    with broker.consumer("orders", "g", failure_policy="block", **FAST) as consumer:
+        consumer.ack(consumer.poll(timeout=10))
+        assert consumer.poll(timeout=0.5) == []  # blocked
+        assert describe_group(broker, "orders", "g").partitions[0].blocked_offset == bad
+        consumer.seek(0, after or "")
+        rest = consumer.poll(timeout=10)
+        assert [json.loads(m.value)["n"] for m in rest] == [1]
+        consumer.ack(rest)
+        consumer.commit()
+        assert describe_group(broker, "orders", "g").partitions[0].blocked_offset is None
+
+
+def test_block_in_poll_on_the_next_entry_after_a_deleted_one_stays_shown(
+    broker: redisq.Broker,
+) -> None:
+    """Blocked on bad1; bad1 is deleted and the re-read blocks on bad2 at once: the commit that
+    clears bad1's mark must not clear bad2's (before, describe_group showed no block while the
+    partition sat blocked on bad2)."""
+    broker.create_topic("orders", partitions=1)
+    with broker.producer() as producer:
+        producer.send("orders", json.dumps({"n": 0}), key="a")
+        bad1 = xadd(broker, "orders", 0, FOREIGN["non-numeric sequence"])
+        bad2 = xadd(broker, "orders", 0, FOREIGN["non-numeric producer id"])
+        producer.send("orders", json.dumps({"n": 1}), key="b")
+    with broker.consumer("orders", "g", failure_policy="block", **FAST) as consumer:
+        consumer.ack(consumer.poll(timeout=10))
+        assert consumer.poll(timeout=0.5) == []
+        assert describe_group(broker, "orders", "g").partitions[0].blocked_offset == bad1
+        broker.client.xdel(broker.keys.log("orders", 0), bad1)
+        assert consumer.poll(timeout=0.5) == []  # blocked on bad2 now
+        consumer.commit()
+        assert describe_group(broker, "orders", "g").partitions[0].blocked_offset == bad2
+        broker.client.xdel(broker.keys.log("orders", 0), bad2)
+        rest = consumer.poll(timeout=10)
+        assert [json.loads(m.value)["n"] for m in rest] == [1]
+        consumer.ack(rest)
+    assert describe_group(broker, "orders", "g").partitions[0].blocked_offset is None
+
+
+def test_a_seek_while_poll_marks_a_block_leaves_no_mark(broker: redisq.Broker) -> None:
+    """A seek from another thread lands while poll() is marking its read's malformed entry
+    blocked: the read is dropped, and the mark it wrote is cleared with the next commit once
+    the read from the seek's offset goes past the entry (white-box: the seek is made from
+    inside the consumer's mark_blocked step)."""
+    broker.create_topic("orders", partitions=1)
+    with broker.producer() as producer:
+        first = producer.send("orders", json.dumps({"n": 0}), key="a").offset
+        bad = xadd(broker, "orders", 0, FOREIGN["non-numeric sequence"])
+        after = producer.send("orders", json.dumps({"n": 1}), key="b").offset
+    with broker.consumer("orders", "g", failure_policy="block", **FAST) as consumer:
+        consumer.ack(consumer.poll(timeout=10, max_messages=1))
+        real_mark = consumer.io.mark_blocked
+
+        def mark_then_seek(*args: Any) -> Any:
+            consumer.io.mark_blocked = real_mark  # type: ignore[method-assign]
+            result = real_mark(*args)
+            seeker = threading.Thread(target=consumer.seek, args=(0, after))
+            seeker.start()
+            seeker.join()
+            return result
+
+        consumer.io.mark_blocked = mark_then_seek  # type: ignore[method-assign]
+        rest = consumer.poll(timeout=10)
+        assert [json.loads(m.value)["n"] for m in rest] == [1]  # from the seek's offset
+        consumer.ack(rest)
+        consumer.commit()
+        assert describe_group(broker, "orders", "g").partitions[0].blocked_offset is None
+    assert first and bad
+
+
 def test_logs_are_bounded_and_counted(
     broker: redisq.Broker, caplog: pytest.LogCaptureFixture
 ) -> None:

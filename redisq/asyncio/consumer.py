@@ -307,11 +307,14 @@ class Consumer(Coordinator):
         given: list[Message] = []
         passed: list[str] = []
         block_at = None
+        marked = False
         for message in messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
                 given.append(message)
                 continue
+            if reader is not None and reader.moves != moves:
+                return []  # dropped (screened() says so again): no I/O for it
             action = self.policy.malformed()
             if not (reader is not None and reader.blocked == message.offset):
                 self.stats.malformed += 1
@@ -324,10 +327,12 @@ class Consumer(Coordinator):
             if reader is not None:
                 if reader.blocked != message.offset:
                     await self.io.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
+                    marked = True
                 block_at = message.offset
             break
         if reader is not None:
-            if not reader.screened(given, passed, block_at, time.monotonic(), moves):
+            now = time.monotonic()
+            if not reader.screened(given, passed, block_at, now, moves, marked=marked):
                 return []
         return good
 
