@@ -30,7 +30,12 @@ from typing import Any
 import redis
 
 from redisq.coordinator import Coordinator, default_member_name
-from redisq.dispatch import OrderlyPartition, messages_by_partition, transaction_inputs
+from redisq.dispatch import (
+    OrderlyPartition,
+    messages_by_partition,
+    still_given,
+    transaction_inputs,
+)
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.idempotent import IdempotentHandler
 from redisq.ownership import TopicPartition
@@ -321,10 +326,11 @@ class Consumer(Coordinator):
             return []
         self._poll_cursor = (self._poll_cursor + 1) % len(tps)
         tps = tps[self._poll_cursor :] + tps[: self._poll_cursor]
-        result: list[Message] = []
+        batches: list[tuple[OrderlyPartition | None, int, list[Message]]] = []
+        taken = 0
         now = time.monotonic()
         for tp in tps:
-            room = max_messages - len(result)
+            room = max_messages - taken
             if room <= 0:
                 break
             with self._lock:
@@ -348,9 +354,12 @@ class Consumer(Coordinator):
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
             messages = self.io.screen(reader, messages, self.stats, self._lock, moves)
-            self.stats.consumed += len(messages)
-            result.extend(self._deserialize(m) for m in messages)
-        return result
+            batches.append((reader, reader.moves if reader is not None else 0, messages))
+            taken += len(messages)
+        with self._lock:
+            result = still_given(batches)
+        self.stats.consumed += len(result)
+        return [self._deserialize(m) for m in result]
 
     def _released(
         self, tp: TopicPartition, reader: OrderlyPartition | None, room: int

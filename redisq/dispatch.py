@@ -456,6 +456,19 @@ def lanes_end(messages: list[Message], blocks_malformed: bool) -> int:
     return len(messages)
 
 
+def still_given(batches: list[tuple[OrderlyPartition | None, int, list[Message]]]) -> list[Message]:
+    """poll()'s result: each partition's screened messages (with the reader's moves after they
+    were screened), except a partition whose position moved since, while poll() went on to the
+    others (a hand-over, a seek from another thread or task): its messages are not given out
+    (the next owner, or the read from the seek's offset, gives them)."""
+    return [
+        message
+        for reader, moves, messages in batches
+        if reader is None or reader.moves == moves
+        for message in messages
+    ]
+
+
 def admitted_chunks(
     reader: OrderlyPartition,
     entries: list[Any],

@@ -207,3 +207,72 @@ async def test_asyncio_close_while_polls_read_is_in_flight_gives_nothing_out(env
             await third.close()
     assert attempts == [2, 3]
     assert dead_letters(env.sync) == [b"poison"]
+
+
+def test_a_poll_that_races_close_returns_nothing_of_a_handed_back_partition(
+    broker: redisq.Broker,
+) -> None:
+    """poll() has screened one partition's messages and reads the next when close() (from
+    another thread) hands both back: the first partition's messages are not returned either
+    (before, poll() returned them after close() had released their lease, and the next owner
+    handled them too). White-box: close() runs inside the second read."""
+    broker.create_topic("t", partitions=2)
+    with broker.producer() as producer:
+        for partition in (0, 1):
+            producer.send("t", b"m%d" % partition, partition=partition)
+    member = broker.consumer("t", "g")
+    wait_until(lambda: member.assignment == [0, 1], what="both partitions granted")
+    real_read = member.io.read_range
+    reads = []
+
+    def close_at_the_second_read(reader: Any, count: int) -> Any:
+        reads.append(reader.tp)
+        if len(reads) == 2:
+            closing = threading.Thread(target=member.close)
+            closing.start()
+            closing.join(30)
+        return real_read(reader, count)
+
+    member.io.read_range = close_at_the_second_read  # type: ignore[method-assign]
+    assert member.poll(5, 10) == []  # before: the first partition's message
+    assert len(reads) == 2 and member.closed
+    with broker.consumer("t", "g") as heir:
+        got: list[Message] = []
+        wait_until(lambda: bool(got.extend(heir.poll(0.2, 10))) or len(got) == 2, what="both")
+    assert sorted(m.value for m in got) == [b"m0", b"m1"]
+
+
+@aio
+async def test_asyncio_a_poll_that_races_close_returns_nothing_of_a_handed_back_partition(
+    env: Env,
+) -> None:
+    env.sync.create_topic("t", partitions=2)
+    with env.sync.producer() as producer:
+        for partition in (0, 1):
+            producer.send("t", b"m%d" % partition, partition=partition)
+    async with env.connect() as broker:
+        member = broker.consumer("t", "g")
+        await member.start()
+        await async_wait_until(lambda: member.assignment == [0, 1], what="both granted")
+        real_read = member.io.read_range
+        reads = []
+
+        async def close_at_the_second_read(reader: Any, count: int) -> Any:
+            reads.append(reader.tp)
+            if len(reads) == 2:
+                await member.close()
+            return await real_read(reader, count)
+
+        member.io.read_range = close_at_the_second_read  # type: ignore[method-assign]
+        assert await member.poll(5, 10) == []
+        assert len(reads) == 2 and member.closed
+        heir = broker.consumer("t", "g")
+        got: list[Message] = []
+        try:
+            for _ in range(100):  # 20 s at most
+                got.extend(await heir.poll(0.2, 10))
+                if len(got) == 2:
+                    break
+        finally:
+            await heir.close()
+    assert sorted(m.value for m in got) == [b"m0", b"m1"]

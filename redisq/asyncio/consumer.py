@@ -21,7 +21,12 @@ from typing import Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, messages_by_partition, transaction_inputs
+from redisq.dispatch import (
+    OrderlyPartition,
+    messages_by_partition,
+    still_given,
+    transaction_inputs,
+)
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
@@ -255,10 +260,11 @@ class Consumer(Coordinator):
             return []
         self._poll_cursor = (self._poll_cursor + 1) % len(tps)
         tps = tps[self._poll_cursor :] + tps[: self._poll_cursor]
-        result: list[Message] = []
+        batches: list[tuple[OrderlyPartition | None, int, list[Message]]] = []
+        taken = 0
         now = time.monotonic()
         for tp in tps:
-            room = max_messages - len(result)
+            room = max_messages - taken
             if room <= 0:
                 break
             if not self.ownership.may_handle(tp, now):
@@ -288,9 +294,11 @@ class Consumer(Coordinator):
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
             messages = await self._screen(reader, messages, moves)
-            self.stats.consumed += len(messages)
-            result.extend(self._deserialize(m) for m in messages)
-        return result
+            batches.append((reader, reader.moves if reader is not None else 0, messages))
+            taken += len(messages)
+        result = still_given(batches)
+        self.stats.consumed += len(result)
+        return [self._deserialize(m) for m in result]
 
     async def _released(self, reader: OrderlyPartition, room: int) -> list[Message]:
         """See redisq.Consumer._released."""
