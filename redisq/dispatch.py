@@ -146,22 +146,15 @@ class OrderlyPartition:
         return None if self.gave_out else self.granted_at
 
     def screened(
-        self,
-        given: list[Message],
-        passed: list[str],
-        block_at: str | None,
-        now: float,
-        moves: int,
-        *,
-        marked: bool = False,
+        self, given: list[Message], passed: list[str], block_at: str | None, now: float, moves: int
     ) -> bool:
         """poll()'s read, its malformed entries seen to: `given` go to the caller, `passed`
         (dead-lettered) are acked, and a block at `block_at` reads again from there (block_on).
         False when the position moved since the read was sent (a seek, a hand-over): nothing is
-        recorded and the caller drops the read; a block mark the screening wrote for it
-        (`marked`) is cleared with the next commit."""
+        recorded and the caller drops the read; a block mark the screening wrote for it (on an
+        entry this reader was not blocked at) is cleared with the next commit."""
         if self.moves != moves:
-            if marked:
+            if block_at is not None and block_at != self.blocked:
                 self.pending.clear_blocked = True
                 self._touch(now)
             return False

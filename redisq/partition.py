@@ -380,7 +380,7 @@ class PartitionIO:
         messages: list[Message],
         stats: ConsumerStats,
         lock: Any,
-        moves: int = 0,
+        moves: int,
     ) -> list[Message]:
         """poll(): malformed entries go to the failure policy, never to the caller; a block stops
         the batch there (orderly: read again from it after a backoff). Orderly, the batch is
@@ -391,7 +391,6 @@ class PartitionIO:
         given: list[Message] = []
         passed: list[str] = []
         block_at = None
-        marked = False
         for message in messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
@@ -412,7 +411,6 @@ class PartitionIO:
                 if reader.blocked != message.offset:
                     self.note_malformed(message, "blocking (policy block)")
                     self.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
-                    marked = True
                 block_at = message.offset
             else:
                 self.note_malformed(message, "left pending (policy block)")
@@ -420,7 +418,7 @@ class PartitionIO:
         if reader is not None:
             with lock:
                 now = time.monotonic()
-                if not reader.screened(given, passed, block_at, now, moves, marked=marked):
+                if not reader.screened(given, passed, block_at, now, moves):
                     return []
         return good
 

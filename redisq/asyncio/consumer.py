@@ -315,7 +315,6 @@ class Consumer(Coordinator):
         given: list[Message] = []
         passed: list[str] = []
         block_at = None
-        marked = False
         for message in messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
@@ -335,12 +334,11 @@ class Consumer(Coordinator):
             if reader is not None:
                 if reader.blocked != message.offset:
                     await self.io.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
-                    marked = True
                 block_at = message.offset
             break
         if reader is not None:
             now = time.monotonic()
-            if not reader.screened(given, passed, block_at, now, moves, marked=marked):
+            if not reader.screened(given, passed, block_at, now, moves):
                 return []
         return good
 
