@@ -10,6 +10,11 @@ ARGV[2]  member name
 ARGV[3]  lease_ttl_ms
 ARGV[4]  the group's start id ("0" or "<created_ms>-0"), used if the Redis consumer group
          does not exist on this stream yet
+ARGV[5]  optional: the request id, random per acquire attempt of one consumer instance; the
+         instance sends the same id again when it got no answer (a connection lost after the
+         call was sent)
+ARGV[6]  optional: "again" to answer only that lost grant (never a new one): {0, ""} when
+         the lease is free, {0, current} when another grant holds it
 
 The lease value is "<token>:<member>:<granted_ms>"; the holder sends it back with every read and
 commit, and the scripts compare it whole, so a token from an earlier grant never matches.
@@ -23,6 +28,12 @@ after that position has been handed to that many owners that never got past it (
 that crashes its process); the new owner starts its attempt count there, so the failure policy
 applies even to a message no handler survives.
 
+An attempt whose answer was lost is answered again: when ARGV[5] is the request id of the
+grant the lease holds now, that same grant is answered (same value, its ttl restarted), so the
+partition does not wait for the lease to run out. Only the instance that made the attempt
+knows its id, and it never saw that grant: nothing else can hold it. A grant of a request that
+expired unanswered is not counted as a takeover again when the same request is granted anew.
+
 A transaction of the previous owner may still carry a position for this partition
 (consume-transform-produce, tx_hold.lua): its id is answered, and the new owner resolves it
 before it reads.
@@ -34,19 +45,34 @@ Error replies
 ]]
 -- #include includes/group.lua
 
+local request = ARGV[5] or ''
 local current = redis.call('GET', KEYS[1])
-if current then
+local same_request = request ~= '' and redis.call('HGET', KEYS[4], 'grant_request') == request
+if current and not (same_request and redis.call('HGET', KEYS[4], 'grant_lease') == current) then
   return {0, current}
+end
+if not current and ARGV[6] == 'again' then
+  return {0, ''}
 end
 if redis.call('EXISTS', KEYS[3]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
-ensure_group(KEYS[3], ARGV[1], ARGV[4])
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local token = redis.call('INCR', KEYS[2])
-local value = token .. ':' .. ARGV[2] .. ':' .. string.format('%.0f', now_ms)
-redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[3])
+local value = current
+if value then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3]) -- answered again: the holder counts its ttl from now
+else
+  ensure_group(KEYS[3], ARGV[1], ARGV[4])
+  local time = redis.call('TIME')
+  local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  local token = redis.call('INCR', KEYS[2])
+  value = token .. ':' .. ARGV[2] .. ':' .. string.format('%.0f', now_ms)
+  redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[3])
+  if request ~= '' then
+    redis.call('HSET', KEYS[4], 'grant_request', request, 'grant_lease', value)
+  else
+    redis.call('HDEL', KEYS[4], 'grant_request', 'grant_lease')
+  end
+end
 local position, entries_read = '0-0', -1
 for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
   local fields = {}
@@ -62,14 +88,17 @@ for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
   end
 end
 -- Counted only while a message waits after the position: an owner that had one to handle
--- (nothing can follow the largest stream ID, and no exclusive range may start at it).
+-- (nothing can follow the largest stream ID, and no exclusive range may start at it). The same
+-- request counts once, however often it is answered.
 local takeovers = 0
 local largest = '18446744073709551615-18446744073709551615'
 if position ~= largest and #redis.call('XRANGE', KEYS[3], '(' .. position, '+', 'COUNT', 1) > 0 then
-  if redis.call('HGET', KEYS[4], 'takeover_position') == position then
-    takeovers = redis.call('HINCRBY', KEYS[4], 'takeovers', 1)
-  else
+  if redis.call('HGET', KEYS[4], 'takeover_position') ~= position then
     redis.call('HSET', KEYS[4], 'takeover_position', position, 'takeovers', 0)
+  elseif same_request then
+    takeovers = tonumber(redis.call('HGET', KEYS[4], 'takeovers')) or 0
+  else
+    takeovers = redis.call('HINCRBY', KEYS[4], 'takeovers', 1)
   end
 end
 local pending_tx = redis.call('HGET', KEYS[4], 'pending_tx') or ''

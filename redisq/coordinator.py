@@ -25,7 +25,7 @@ from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.group import GroupMembership
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
-from redisq.ownership import OwnershipCore, TopicPartition
+from redisq.ownership import OwnershipCore, TopicPartition, unanswered
 from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
 from redisq.protocol import run_operation
@@ -200,6 +200,27 @@ class Coordinator:
             if self._stopping.is_set():
                 break
             self._acquire(tp)
+        for tp in due.abandon:
+            self._abandon(tp)
+
+    def _abandon(self, tp: TopicPartition) -> None:
+        """tp is no longer wanted, and an acquire of it got no answer: if that acquire was
+        granted, take the grant and release it (the next owner need not wait for its ttl)."""
+        with self._lock:
+            request = self.ownership.requests.get(tp)
+        if request is None:
+            return
+        try:
+            grant = self._memberships[tp[0]].acquire_lease(tp[1], request, again=True)
+        except redis.RedisError as exc:
+            if unanswered(exc):
+                raise
+            grant = None
+        with self._lock:
+            self.ownership.answered(tp)
+        if grant is not None:
+            self._memberships[tp[0]].release_lease(grant.lease, grant.position)
+            log.info("%s: released %s/%d (granted unanswered)", self.name, *tp)
 
     def _acquire(self, tp: TopicPartition) -> None:
         sent = time.monotonic()
@@ -209,13 +230,23 @@ class Coordinator:
                 self.ownership.granted(tp, None, sent)
                 self._maybe_start(tp)
             return
+        with self._lock:
+            request = self.ownership.acquire_request(tp)
         try:
-            grant = membership.acquire_lease(tp[1])
+            grant = membership.acquire_lease(tp[1], request)
         except TopicNotFound:
             log.warning("%s: topic %s no longer exists", self.name, tp[0])
             with self._lock:
+                self.ownership.answered(tp)
                 self.ownership.partitions_seen(tp[0], None)
             return
+        except redis.RedisError as exc:
+            if not unanswered(exc):
+                with self._lock:
+                    self.ownership.answered(tp)
+            raise
+        with self._lock:
+            self.ownership.answered(tp)
         if grant is None:
             return
         if grant.pending_tx is not None:  # a transaction of the previous owner holds it

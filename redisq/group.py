@@ -110,14 +110,17 @@ class GroupMembership:
             calls.heartbeat(self._keys, self.ref, self.member, self.session_timeout_ms, leave=True)
         )
 
-    def acquire_lease(self, partition: int) -> Grant | None:
+    def acquire_lease(
+        self, partition: int, request: str = "", *, again: bool = False
+    ) -> Grant | None:
         """SET NX PX with a fresh fencing token, and the group's position on the partition; None
-        while another member holds it."""
+        while another member holds it (request, again: see redisq.protocol.group)."""
         return self._scripts.run(
             calls.acquire_lease(
-                self._keys, self.ref, partition, self.member, self.lease_ttl_ms, self.start_id
+                self._keys, self.ref, partition, self.member, self.lease_ttl_ms, self.start_id,
+                request, again=again,
             )
-        )
+        )  # fmt: skip
 
     def renew_lease(self, lease: Lease) -> bool:
         """PEXPIRE while the value is still ours; False means lost."""

@@ -13,12 +13,21 @@ Concurrent mode holds no leases: every member reads every partition.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import redis
 
 from redisq.protocol.group import Grant, Lease
 
 TopicPartition = tuple[str, int]
+
+
+def unanswered(exc: BaseException) -> bool:
+    """The call may have run on the server without its answer reaching us: the connection
+    broke or timed out after it was sent."""
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError)
 
 
 def assign_partitions(partitions: int, members: Sequence[str], member: str) -> list[int]:
@@ -67,6 +76,9 @@ class Due:
     acquire: list[TopicPartition] = field(default_factory=list)
     renew: list[TopicPartition] = field(default_factory=list)
     hand_over: list[TopicPartition] = field(default_factory=list)  # revoked or closing
+    # no longer wanted, with an acquire whose answer was lost: take that grant, if it was made,
+    # and release it (the next owner need not wait for its ttl)
+    abandon: list[TopicPartition] = field(default_factory=list)
 
 
 class OwnershipCore:
@@ -94,6 +106,9 @@ class OwnershipCore:
         self.owned: dict[TopicPartition, Owned] = {}
         self.stopping = False
         self.rebalances = 0
+        # Acquire attempts that got no answer (the call may have run and granted the lease):
+        # the next attempt on the partition sends the same request id and gets that grant.
+        self.requests: dict[TopicPartition, str] = {}
         self._next_heartbeat = 0.0
         self._next_metadata = 0.0
 
@@ -132,7 +147,8 @@ class OwnershipCore:
             if owned.lease is not None and now >= owned.renew_due:
                 renew.append(tp)
         acquire = sorted(tp for tp in target if tp not in self.owned)
-        return Due(heartbeat, refresh, acquire, renew, hand_over)
+        abandon = sorted(tp for tp in self.requests if tp not in target and tp not in self.owned)
+        return Due(heartbeat, refresh, acquire, renew, hand_over, abandon)
 
     def may_handle(self, tp: TopicPartition, now: float) -> bool:
         owned = self.owned.get(tp)
@@ -147,7 +163,20 @@ class OwnershipCore:
             return float("inf")
         return owned.deadline - self.margin_s
 
+    def acquire_request(self, tp: TopicPartition) -> str:
+        """The request id of an acquire of tp about to be sent: the id of the attempt before,
+        if that one got no answer (so a grant it made is answered now), else a new one. Call
+        answered(tp) once an answer came."""
+        request = self.requests.get(tp)
+        if request is None:
+            request = self.requests[tp] = secrets.token_hex(8)
+        return request
+
     # -- what happened ---------------------------------------------------------------------------
+    def answered(self, tp: TopicPartition) -> None:
+        """An acquire of tp got its answer (granted, refused or an error reply)."""
+        self.requests.pop(tp, None)
+
     def members_seen(self, topic: str, members: list[str]) -> bool:
         """True if the live members changed (a rebalance)."""
         changed = self.members.get(topic) != members

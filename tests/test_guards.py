@@ -228,10 +228,12 @@ class CutOff:
             monkeypatch.setattr(GroupMembership, method, self._failing(method))
         acquire = GroupMembership.acquire_lease
 
-        def acquire_lease(membership: GroupMembership, partition: int) -> Grant | None:
+        def acquire_lease(
+            membership: GroupMembership, partition: int, *args: Any, **kwargs: Any
+        ) -> Grant | None:
             if membership.member == self.name and self.cut.is_set():
                 raise redis.ConnectionError("cut off by the test")
-            grant = acquire(membership, partition)
+            grant = acquire(membership, partition, *args, **kwargs)
             if grant is not None:
                 self.grants.setdefault(membership.member, []).append(grant.lease)
                 if membership.member == self.name:

@@ -211,6 +211,11 @@ class Consumer(Coordinator):
         if self._coordinator is not None:
             self._coordinator.cancel()
             await asyncio.gather(self._coordinator, return_exceptions=True)
+        for tp in list(self.ownership.requests):  # acquires that got no answer
+            try:
+                await self._abandon(tp)
+            except redis.RedisError as exc:
+                log.warning("%s: releasing %s/%d: %s", self.name, tp[0], tp[1], exc)
         for topic in self._start_ids:
             try:
                 await self.broker.scripts.run(

@@ -103,10 +103,23 @@ class Grant:
 
 
 def acquire_lease(
-    keys: KeySpace, ref: GroupRef, partition: int, member: str, lease_ttl_ms: int, start_id: str
+    keys: KeySpace,
+    ref: GroupRef,
+    partition: int,
+    member: str,
+    lease_ttl_ms: int,
+    start_id: str,
+    request: str = "",
+    *,
+    again: bool = False,
 ) -> ScriptCall[Grant | None]:
     """acquire_lease.lua: SET NX PX with a fresh fencing token (None while another member holds
-    it); creates the Redis consumer group on the stream at the group's start if missing."""
+    it); creates the Redis consumer group on the stream at the group's start if missing.
+
+    request: this attempt's id (OwnershipCore.acquire_request). Sent again after an attempt got
+    no answer, it is answered with the grant that attempt made, if that grant still holds the
+    lease. again=True asks only for that grant (None when there is none): a member that no
+    longer wants the partition takes it so as to release it."""
 
     def decode(reply: Any) -> Grant | None:
         if not int(reply[0]):
@@ -128,7 +141,7 @@ def acquire_lease(
             keys.log(ref.topic, partition),
             keys.group_partition_state(ref.topic, partition, ref.group),
         ),
-        (ref.group, member, lease_ttl_ms, start_id),
+        (ref.group, member, lease_ttl_ms, start_id, request, "again" if again else ""),
         decode,
         ref.topic,
     )

@@ -5,12 +5,17 @@ Modes (for every connection, new and existing):
     delay N ms    every chunk waits N ms before it is forwarded (added latency, order kept)
     blackhole     accept and read, forward nothing: the bytes are held, in order, per connection
                   and direction, as a network that has lost its route but not the packets
+    trap N        pass, until a chunk for the server contains the bytes N: that connection is
+                  frozen from that chunk on (blackhole for it alone)
 and actions:
     heal(keep=())        back to pass; what every held connection holds is forwarded now, except
                          the connections in `keep`: they stay frozen (bytes held, even after
                          their client has gone) until release_held() forwards what they hold,
                          so a late copy of exactly those bytes really arrives later
     held_connections()   the frozen connections holding bytes for the server (ids for `keep`)
+    lose_answers(needle) forward to the server what the frozen connections holding `needle`
+                         hold for it, and keep holding what comes back: the commands run,
+                         their answers are lost with the connection (reset_all() next)
     reset_all()          abort every connection with a TCP RST (SO_LINGER 0)
 
 It runs an asyncio loop in a thread of its own; the methods are called from the test's thread.
@@ -57,6 +62,7 @@ class Proxy:
         self.port = 0
         self.mode = "pass"
         self.delay_s = 0.0
+        self.trap_needle: bytes | None = None
         self._connections: dict[int, _Connection] = {}
         self._count = 0
         self._loop = asyncio.new_event_loop()
@@ -83,6 +89,9 @@ class Proxy:
     def blackhole(self) -> None:
         self._call(self._set_mode("blackhole", 0.0))
 
+    def trap(self, needle: bytes) -> None:
+        self._call(self._set_mode("pass", 0.0, needle.lower()))
+
     def heal(self, keep: Iterable[int] = ()) -> None:
         self._call(self._heal(set(keep)))
 
@@ -93,6 +102,11 @@ class Proxy:
         """Some connection holds bytes for the server containing `needle` (case-insensitive):
         a command sent while the proxy blackholes, not forwarded yet."""
         return self._call(self._holds_for_server(needle.lower()))
+
+    def lose_answers(self, needle: bytes) -> int:
+        """See the module doc; returns how many connections sent their bytes on (wait_released()
+        tells when the server has answered them)."""
+        return self._call(self._lose_answers(needle.lower()))
 
     def release_held(self) -> int:
         """Forward what frozen connections hold; returns how many had bytes for the server."""
@@ -132,14 +146,14 @@ class Proxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    async def _set_mode(self, mode: str, delay_s: float) -> None:
-        self.mode, self.delay_s = mode, delay_s
+    async def _set_mode(self, mode: str, delay_s: float, trap: bytes | None = None) -> None:
+        self.mode, self.delay_s, self.trap_needle = mode, delay_s, trap
         if mode == "blackhole":
             for conn in self._connections.values():
                 conn.frozen = True
 
     async def _heal(self, keep: set[int]) -> None:
-        self.mode, self.delay_s = "pass", 0.0
+        self.mode, self.delay_s, self.trap_needle = "pass", 0.0, None
         await self._release_held(keep)
 
     async def _held_connections(self) -> list[int]:
@@ -159,6 +173,19 @@ class Proxy:
                 for chunk in held:
                     self._write(direction.writer, chunk)
         return released
+
+    async def _lose_answers(self, needle: bytes) -> int:
+        sent = 0
+        for conn in list(self._connections.values()):
+            held = conn.to_server.held
+            if not conn.frozen or needle not in b"".join(c for c in held if c).lower():
+                continue
+            conn.to_server.held = []
+            conn.released = True
+            sent += 1
+            for chunk in held:
+                self._write(conn.to_server.writer, chunk)
+        return sent
 
     async def _reset_all(self) -> int:
         conns = list(self._connections.values())
@@ -242,6 +269,8 @@ class Proxy:
                     conn.upstream_closed = True
             elif not to_server and conn.released:
                 conn.answered_after_release = True
+            elif to_server and self.trap_needle and self.trap_needle in chunk.lower():
+                conn.frozen = True
             if conn.frozen or self.mode == "blackhole":
                 conn.frozen = True
                 direction.held.append(chunk)
