@@ -13,8 +13,9 @@ ARGV[4]  the group's start id ("0" or "<created_ms>-0"), used if the Redis consu
 ARGV[5]  optional: the request id, random per acquire attempt of one consumer instance; the
          instance sends the same id again when it got no answer (a connection lost after the
          call was sent)
-ARGV[6]  optional: "again" to answer only that lost grant (never a new one): {0, ""} when
-         the lease is free, {0, current} when another grant holds it
+ARGV[6]  optional: "give_up": the instance no longer wants the partition and gives the
+         request up: its grant, if it holds the lease, is released, and a late copy of the
+         request is refused from now on. Returns {0, 1} if a grant was released, else {0, 0}.
 
 The lease value is "<token>:<member>:<granted_ms>"; the holder sends it back with every read and
 commit, and the scripts compare it whole, so a token from an earlier grant never matches.
@@ -31,8 +32,11 @@ applies even to a message no handler survives.
 An attempt whose answer was lost is answered again: when ARGV[5] is the request id of the
 grant the lease holds now, that same grant is answered (same value, its ttl restarted), so the
 partition does not wait for the lease to run out. Only the instance that made the attempt
-knows its id, and it never saw that grant: nothing else can hold it. A grant of a request that
-expired unanswered is not counted as a takeover again when the same request is granted anew.
+knows its id, and it never saw that grant: nothing else can hold it. The state hash keeps the
+last grant's request id and lease value (grant_request, grant_lease), and the last request
+given up (given_up: one per group and partition, the latest). A request counts as one
+takeover however often it is answered, also when its grant expired unseen and it is granted
+anew with no other grant in between (the fencing counter tells).
 
 A transaction of the previous owner may still carry a position for this partition
 (consume-transform-produce, tx_hold.lua): its id is answered, and the new owner resolves it
@@ -47,17 +51,69 @@ Error replies
 
 local request = ARGV[5] or ''
 local current = redis.call('GET', KEYS[1])
-local same_request = request ~= '' and redis.call('HGET', KEYS[4], 'grant_request') == request
-if current and not (same_request and redis.call('HGET', KEYS[4], 'grant_lease') == current) then
-  return {0, current}
+local state = redis.call('HMGET', KEYS[4], 'grant_request', 'grant_lease', 'given_up')
+local same_request = request ~= '' and state[1] == request
+local function token_of(value)
+  return tonumber(string.match(value or '', '^(%d+):'))
 end
-if not current and ARGV[6] == 'again' then
-  return {0, ''}
+local function group_position()
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
+    local fields = {}
+    for i = 1, #info, 2 do
+      fields[info[i]] = info[i + 1]
+    end
+    if fields['name'] == ARGV[1] then
+      local entries_read = -1
+      if type(fields['entries-read']) == 'number' then
+        entries_read = fields['entries-read']
+      end
+      return fields['last-delivered-id'], entries_read
+    end
+  end
+  return '0-0', -1
+end
+
+if ARGV[6] == 'give_up' then
+  local released = 0
+  if same_request then
+    local held = current and current == state[2]
+    -- R's grant ran out unseen and nobody was granted since: its count is taken back too.
+    local unused = not current and token_of(state[2]) == tonumber(redis.call('GET', KEYS[2]))
+    if held or unused then
+      if held then
+        redis.call('DEL', KEYS[1])
+        released = 1
+      end
+      if redis.call('EXISTS', KEYS[3]) == 1 then  -- as release_lease.lua does for an untried grant
+        local position = group_position()
+        if redis.call('HGET', KEYS[4], 'takeover_position') == position then
+          if tonumber(redis.call('HGET', KEYS[4], 'takeovers') or '0') > 0 then
+            redis.call('HINCRBY', KEYS[4], 'takeovers', -1)
+          else
+            redis.call('HDEL', KEYS[4], 'takeover_position', 'takeovers')
+          end
+        end
+      end
+    end
+    redis.call('HDEL', KEYS[4], 'grant_request', 'grant_lease')
+  end
+  if request ~= '' then
+    redis.call('HSET', KEYS[4], 'given_up', request)
+  end
+  return {0, released}
+end
+
+if request ~= '' and state[3] == request then  -- a late copy of a request given up
+  return {0, current or ''}
+end
+if current and not (same_request and state[2] == current) then
+  return {0, current}
 end
 if redis.call('EXISTS', KEYS[3]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
 end
 local value = current
+local answered_again = current ~= false
 if value then
   redis.call('PEXPIRE', KEYS[1], ARGV[3]) -- answered again: the holder counts its ttl from now
 else
@@ -67,35 +123,23 @@ else
   local token = redis.call('INCR', KEYS[2])
   value = token .. ':' .. ARGV[2] .. ':' .. string.format('%.0f', now_ms)
   redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[3])
+  -- The same request granted anew, its earlier grant having run out unseen with no grant since.
+  answered_again = same_request and token_of(state[2]) == token - 1
   if request ~= '' then
     redis.call('HSET', KEYS[4], 'grant_request', request, 'grant_lease', value)
   else
     redis.call('HDEL', KEYS[4], 'grant_request', 'grant_lease')
   end
 end
-local position, entries_read = '0-0', -1
-for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
-  local fields = {}
-  for i = 1, #info, 2 do
-    fields[info[i]] = info[i + 1]
-  end
-  if fields['name'] == ARGV[1] then
-    position = fields['last-delivered-id']
-    if type(fields['entries-read']) == 'number' then
-      entries_read = fields['entries-read']
-    end
-    break
-  end
-end
+local position, entries_read = group_position()
 -- Counted only while a message waits after the position: an owner that had one to handle
--- (nothing can follow the largest stream ID, and no exclusive range may start at it). The same
--- request counts once, however often it is answered.
+-- (nothing can follow the largest stream ID, and no exclusive range may start at it).
 local takeovers = 0
 local largest = '18446744073709551615-18446744073709551615'
 if position ~= largest and #redis.call('XRANGE', KEYS[3], '(' .. position, '+', 'COUNT', 1) > 0 then
   if redis.call('HGET', KEYS[4], 'takeover_position') ~= position then
     redis.call('HSET', KEYS[4], 'takeover_position', position, 'takeovers', 0)
-  elseif same_request then
+  elseif answered_again then
     takeovers = tonumber(redis.call('HGET', KEYS[4], 'takeovers')) or 0
   else
     takeovers = redis.call('HINCRBY', KEYS[4], 'takeovers', 1)

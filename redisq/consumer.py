@@ -278,11 +278,16 @@ class Consumer(Coordinator):
         self._coordinator_stop.set()
         self._wake.set()
         self._coordinator.join(timeout)
-        for tp in [] if self._coordinator.is_alive() else list(self.ownership.requests):
-            try:  # an acquire that got no answer
-                self._abandon(tp)
-            except redis.RedisError as exc:
-                log.warning("%s: releasing %s/%d: %s", self.name, tp[0], tp[1], exc)
+        if not self._coordinator.is_alive():
+            # What the coordinator took up while the partitions above were finished (an acquire
+            # answered meanwhile), and acquires it had no answer to.
+            for tp in list(self.ownership.owned):
+                self._finish(tp)
+            for tp in list(self.ownership.requests):
+                try:
+                    self._abandon(tp)
+                except redis.RedisError as exc:
+                    log.warning("%s: giving up %s/%d: %s", self.name, tp[0], tp[1], exc)
         for membership in self._memberships.values():
             try:
                 membership.leave()

@@ -25,7 +25,7 @@ from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.group import GroupMembership
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
-from redisq.ownership import OwnershipCore, TopicPartition, unanswered
+from redisq.ownership import OwnershipCore, TopicPartition
 from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
 from redisq.protocol import run_operation
@@ -204,25 +204,23 @@ class Coordinator:
             self._abandon(tp)
 
     def _abandon(self, tp: TopicPartition) -> None:
-        """tp is no longer wanted, and an acquire of it got no answer: if that acquire was
-        granted, take the grant and release it (the next owner need not wait for its ttl)."""
+        """tp is no longer wanted, and an acquire of it got no answer: give that acquire up
+        (the grant it made, if any, is released: the next owner need not wait for its ttl).
+        On an error the request is kept, and given up again later."""
         with self._lock:
             request = self.ownership.requests.get(tp)
         if request is None:
             return
-        try:
-            grant = self._memberships[tp[0]].acquire_lease(tp[1], request, again=True)
-        except redis.RedisError as exc:
-            if unanswered(exc):
-                raise
-            grant = None
+        released = self._memberships[tp[0]].give_up_lease(tp[1], request)
         with self._lock:
             self.ownership.answered(tp)
-        if grant is not None:
-            self._memberships[tp[0]].release_lease(grant.lease, grant.position)
-            log.info("%s: released %s/%d (granted unanswered)", self.name, *tp)
+        if released:
+            log.info("%s: released %s/%d (a grant whose answer was lost)", self.name, *tp)
 
     def _acquire(self, tp: TopicPartition) -> None:
+        """Acquire tp's lease. Its request id is kept until the grant is taken up (or refused,
+        or released): after any error, the next attempt is answered with the grant this one
+        may have made (an error reply to a second attempt says nothing of the first)."""
         sent = time.monotonic()
         membership = self._memberships[tp[0]]
         if self.mode == "concurrent":
@@ -240,14 +238,9 @@ class Coordinator:
                 self.ownership.answered(tp)
                 self.ownership.partitions_seen(tp[0], None)
             return
-        except redis.RedisError as exc:
-            if not unanswered(exc):
-                with self._lock:
-                    self.ownership.answered(tp)
-            raise
-        with self._lock:
-            self.ownership.answered(tp)
         if grant is None:
+            with self._lock:
+                self.ownership.answered(tp)
             return
         if grant.pending_tx is not None:  # a transaction of the previous owner holds it
             try:
@@ -257,11 +250,14 @@ class Coordinator:
             except (RedisqError, redis.RedisError) as exc:
                 log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
                 membership.release_lease(grant.lease, grant.position)  # nothing given out
+                with self._lock:
+                    self.ownership.answered(tp)
                 return
         reader = OrderlyPartition(grant)
         self.io.load_parked(reader)
         with self._lock:
             self.ownership.granted(tp, grant, sent)
+            self.ownership.answered(tp)
             self._readers[tp] = reader
             self.stats.leases_acquired += 1
         log.info("%s: acquired %s/%d (token %d)", self.name, tp[0], tp[1], grant.lease.token)

@@ -110,17 +110,21 @@ class GroupMembership:
             calls.heartbeat(self._keys, self.ref, self.member, self.session_timeout_ms, leave=True)
         )
 
-    def acquire_lease(
-        self, partition: int, request: str = "", *, again: bool = False
-    ) -> Grant | None:
+    def acquire_lease(self, partition: int, request: str = "") -> Grant | None:
         """SET NX PX with a fresh fencing token, and the group's position on the partition; None
-        while another member holds it (request, again: see redisq.protocol.group)."""
+        while another member holds it (request: see redisq.protocol.group.acquire_lease)."""
         return self._scripts.run(
             calls.acquire_lease(
                 self._keys, self.ref, partition, self.member, self.lease_ttl_ms, self.start_id,
-                request, again=again,
+                request,
             )
         )  # fmt: skip
+
+    def give_up_lease(self, partition: int, request: str) -> bool:
+        """An acquire that got no answer, given up: True if the grant it made was released."""
+        return self._scripts.run(
+            calls.give_up_lease(self._keys, self.ref, partition, self.member, request)
+        )
 
     def renew_lease(self, lease: Lease) -> bool:
         """PEXPIRE while the value is still ours; False means lost."""

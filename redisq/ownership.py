@@ -17,17 +17,9 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import redis
-
 from redisq.protocol.group import Grant, Lease
 
 TopicPartition = tuple[str, int]
-
-
-def unanswered(exc: BaseException) -> bool:
-    """The call may have run on the server without its answer reaching us: the connection
-    broke or timed out after it was sent."""
-    return isinstance(exc, redis.ConnectionError | redis.TimeoutError)
 
 
 def assign_partitions(partitions: int, members: Sequence[str], member: str) -> list[int]:
@@ -76,8 +68,8 @@ class Due:
     acquire: list[TopicPartition] = field(default_factory=list)
     renew: list[TopicPartition] = field(default_factory=list)
     hand_over: list[TopicPartition] = field(default_factory=list)  # revoked or closing
-    # no longer wanted, with an acquire whose answer was lost: take that grant, if it was made,
-    # and release it (the next owner need not wait for its ttl)
+    # no longer wanted, with an acquire whose answer was lost: give it up (the grant it made, if
+    # any, is released: the next owner need not wait for its ttl)
     abandon: list[TopicPartition] = field(default_factory=list)
 
 
@@ -106,8 +98,9 @@ class OwnershipCore:
         self.owned: dict[TopicPartition, Owned] = {}
         self.stopping = False
         self.rebalances = 0
-        # Acquire attempts that got no answer (the call may have run and granted the lease):
-        # the next attempt on the partition sends the same request id and gets that grant.
+        # Acquire attempts not yet taken up (no answer, an error, or a grant not yet taken up:
+        # the call may have granted the lease): the next attempt on the partition sends the same
+        # request id and gets that grant.
         self.requests: dict[TopicPartition, str] = {}
         self._next_heartbeat = 0.0
         self._next_metadata = 0.0
@@ -165,8 +158,8 @@ class OwnershipCore:
 
     def acquire_request(self, tp: TopicPartition) -> str:
         """The request id of an acquire of tp about to be sent: the id of the attempt before,
-        if that one got no answer (so a grant it made is answered now), else a new one. Call
-        answered(tp) once an answer came."""
+        if that one was not done with (so a grant it made is answered now), else a new one.
+        Call answered(tp) once it is done with."""
         request = self.requests.get(tp)
         if request is None:
             request = self.requests[tp] = secrets.token_hex(8)
@@ -174,7 +167,8 @@ class OwnershipCore:
 
     # -- what happened ---------------------------------------------------------------------------
     def answered(self, tp: TopicPartition) -> None:
-        """An acquire of tp got its answer (granted, refused or an error reply)."""
+        """An acquire of tp is done with: refused, its grant taken up or released, or given
+        up."""
         self.requests.pop(tp, None)
 
     def members_seen(self, topic: str, members: list[str]) -> bool:

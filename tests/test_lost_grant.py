@@ -4,13 +4,16 @@ partition must not sit idle until the lease runs out (30 s by default).
 Each acquire attempt carries a request id; the instance that got no answer sends the same id
 again, and acquire_lease.lua answers it with the grant it made (same lease value, same fencing
 token, its ttl restarted). A member that no longer wants the partition (it closes, or a
-rebalance moved it) takes that grant with `again` and releases it. The script's rules run on
+rebalance moved it) gives the request up: Redis releases its grant in the same call and
+refuses a late copy of it. An error reply to a resend keeps the id (it says nothing of the
+first attempt), and close() releases a grant answered while it closes. The script's rules run on
 every backend; the faults are real (a proxy forwards the call, keeps the answer, then resets
 the connection), on a private Redis 7.0 and Valkey, thread and asyncio consumers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -68,18 +71,35 @@ def test_the_same_request_is_answered_with_its_grant(broker: redisq.Broker) -> N
     assert a.acquire_lease(0, "r2") is None  # another attempt of the holder: refused
     assert a.acquire_lease(0) is None  # no request id: refused
     assert b.acquire_lease(0, "r3") is None  # another member: held
-    assert a.acquire_lease(0, "r1", again=True) == first
-    assert a.release_lease(first.lease, first.position)
-    assert a.acquire_lease(0, "r1", again=True) is None  # again never grants anew
+
+
+def test_a_request_given_up_releases_its_grant_and_refuses_late_copies(
+    broker: redisq.Broker,
+) -> None:
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    a, b = member(broker, "a"), member(broker, "b")
+    lease_key = broker.keys.lease("t", 0, "g")
+    assert a.acquire_lease(0, "r0") is not None  # an owner that died holding the message
+    broker.client.delete(lease_key)
+    lost = a.acquire_lease(0, "r1")
+    assert lost is not None and lost.takeovers == 1
+    assert a.give_up_lease(0, "r1")  # released, in the same call
     assert broker.client.get(lease_key) is None
-    assert b.acquire_lease(0, "r3") is not None
+    assert not a.give_up_lease(0, "r1")  # sent again (its answer lost too): nothing more
+    assert a.acquire_lease(0, "r1") is None  # a late copy of r1: refused, nothing granted
+    assert broker.client.get(lease_key) is None
+    assert b.give_up_lease(0, "r9") is False  # a request that never reached Redis
+    nxt = b.acquire_lease(0, "r3")
+    assert nxt is not None and nxt.takeovers == 1  # r1's grant made no attempt: taken back
 
 
 def test_a_request_counts_one_takeover_however_often_granted(broker: redisq.Broker) -> None:
-    """A grant of r1 that expired unanswered, then granted anew to r1: one owner, one count."""
+    """A grant of r1 that expired unanswered, then granted anew to r1: one owner, one count;
+    unless another grant came in between (a client without request ids, mid-upgrade)."""
     broker.create_topic("t", partitions=1)
     send(broker, *VALUES)
-    a = member(broker, "a")
+    a, old = member(broker, "a"), member(broker, "old")
     lease_key = broker.keys.lease("t", 0, "g")
     assert a.acquire_lease(0, "r0") is not None  # an owner that died holding the message
     broker.client.delete(lease_key)  # its lease ran out
@@ -90,8 +110,27 @@ def test_a_request_counts_one_takeover_however_often_granted(broker: redisq.Brok
     assert regranted is not None and regranted.lease.token == lost.lease.token + 1
     assert regranted.takeovers == 1  # not 2: the same attempt
     broker.client.delete(lease_key)
-    next_owner = a.acquire_lease(0, "r2")
-    assert next_owner is not None and next_owner.takeovers == 2
+    between = old.acquire_lease(0)  # a client that sends no request id, and dies
+    assert between is not None and between.takeovers == 2
+    broker.client.delete(lease_key)
+    late = a.acquire_lease(0, "r1")
+    assert late is not None and late.takeovers == 3  # an owner had it since: it counts
+
+
+def test_giving_up_a_grant_that_ran_out_unseen_takes_its_count_back(
+    broker: redisq.Broker,
+) -> None:
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    a, b = member(broker, "a"), member(broker, "b")
+    lease_key = broker.keys.lease("t", 0, "g")
+    assert a.acquire_lease(0, "r0") is not None
+    broker.client.delete(lease_key)
+    assert a.acquire_lease(0, "r1") is not None  # counted: 1
+    broker.client.delete(lease_key)  # ran out before its answer came; nobody granted since
+    assert not a.give_up_lease(0, "r1")  # nothing held to release, but the count goes back
+    nxt = b.acquire_lease(0, "r2")
+    assert nxt is not None and nxt.takeovers == 1
 
 
 # -- real faults: the answer lost with the connection ---------------------------------------------
@@ -128,18 +167,51 @@ class Setup:
     def acquire_held(self) -> bool:
         return self.proxy.holds_for_server(self.fence.encode())
 
-    def lose_the_answer(self) -> str:
+    def run_held_acquire(self) -> str:
         """The foreign lease goes, the held acquire runs on the server and is granted; its
-        answer is lost with the connection. Returns the lease value it granted. (The consumer
-        is waiting for that answer: no other attempt of its can be under way.)"""
+        answer stays held. Returns the lease value it granted. (The consumer is waiting for
+        that answer: no other attempt of its can be under way.)"""
         self.client.delete(self.lease)
         assert self.proxy.lose_answers(self.fence.encode()) == 1
         assert self.proxy.wait_released(10), "the server did not answer the acquire"
-        self.proxy.reset_all()
-        self.proxy.pass_through()
         granted = self.client.get(self.lease)
         assert granted is not None and granted.startswith(b"2:"), granted
         return granted.decode()
+
+    def cut(self) -> None:
+        """Every connection reset (the held answer is lost with its connection); the network
+        works again."""
+        self.proxy.reset_all()
+        self.proxy.pass_through()
+
+    def lose_the_answer(self) -> str:
+        granted = self.run_held_acquire()
+        self.cut()
+        return granted
+
+    def busy(self, seconds: float) -> threading.Thread:
+        """Another client runs a script for `seconds`: meanwhile the server answers -BUSY
+        (busy-reply-threshold 100 ms). Returns once it does."""
+        self.client.config_set("busy-reply-threshold", 100)
+        other = redis.Redis(port=self.client.connection_pool.connection_kwargs["port"])
+        script = (
+            "local t = redis.call('TIME') local start = t[1] * 1e6 + t[2] "
+            "while true do local n = redis.call('TIME') "
+            f"if n[1] * 1e6 + n[2] - start > {int(seconds * 1e6)} then return 1 end end"
+        )
+        runner = threading.Thread(target=lambda: other.eval(script, 0))
+        runner.start()
+        probe = redis.Redis(port=other.connection_pool.connection_kwargs["port"])
+
+        def answers_busy() -> bool:
+            try:
+                probe.ping()
+            except redis.ResponseError as exc:
+                return str(exc).startswith("BUSY")
+            return False
+
+        wait_until(answers_busy, timeout=5, what="the server answering -BUSY")
+        return runner
 
     def tokens(self) -> int:
         return int(self.client.get(self.fence) or 0)
@@ -235,3 +307,103 @@ async def test_asyncio_close_releases_a_lost_grant(setup: Setup, namespace: str)
         await broker.close()
     assert setup.client.get(setup.lease) is None
     assert setup.tokens() == 2
+
+
+def busy_replies(caplog: pytest.LogCaptureFixture) -> int:
+    return sum("BUSY" in r.getMessage() for r in caplog.records if r.name == "redisq.consumer")
+
+
+def test_an_error_reply_to_the_resend_keeps_the_request(
+    setup: Setup, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The answer to the grant is lost, and the attempt after it gets an error reply (-BUSY:
+    another client's long script). The error says nothing of the first attempt: the request id
+    is kept, and once the server is free the grant is answered again (before, the id was
+    dropped with the error reply and the partition waited for the lease ttl)."""
+    with redisq.connect(setup.proxy.url, namespace=namespace) as via:
+        consumer = via.consumer("t", "g", **QUIET)  # type: ignore[arg-type]
+        setup.hold_next_acquire()
+        wait_until(setup.acquire_held, what="the consumer's acquire held")
+        granted = setup.run_held_acquire()
+        runner = setup.busy(1.5)
+        setup.cut()
+        wait_until(lambda: busy_replies(caplog) > 0, timeout=5, what="a -BUSY reply")
+        runner.join()
+        got: list[Message] = []
+        wait_until(lambda: bool(got.extend(consumer.poll(0.2))) or len(got) == len(VALUES),
+                   timeout=RECOVERED_S, what="the messages, before the lease ran out")  # fmt: skip
+        assert [m.value for m in got] == VALUES
+        assert setup.tokens() == 2 and setup.client.get(setup.lease).decode() == granted
+        consumer.close()
+    assert setup.client.get(setup.lease) is None
+
+
+@aio
+async def test_asyncio_an_error_reply_to_the_resend_keeps_the_request(
+    setup: Setup, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await rq.connect(setup.proxy.url, namespace=namespace)
+    consumer = broker.consumer("t", "g", **QUIET)  # type: ignore[arg-type]
+    try:
+        await consumer.poll(0.05)
+        setup.hold_next_acquire()
+        await async_wait_until(setup.acquire_held, what="the consumer's acquire held")
+        granted = setup.run_held_acquire()
+        runner = setup.busy(1.5)
+        setup.cut()
+        await async_wait_until(lambda: busy_replies(caplog) > 0, timeout=5, what="-BUSY")
+        await asyncio.to_thread(runner.join)
+        got: list[Message] = []
+        started = time.monotonic()
+        while len(got) < len(VALUES) and time.monotonic() - started < RECOVERED_S:
+            got.extend(await consumer.poll(0.2))
+        assert [m.value for m in got] == VALUES, "not consumed before the lease ran out"
+        assert setup.tokens() == 2 and setup.client.get(setup.lease).decode() == granted
+    finally:
+        await consumer.close()
+        await broker.close()
+    assert setup.client.get(setup.lease) is None
+
+
+def test_close_releases_a_grant_answered_while_it_closes(setup: Setup, namespace: str) -> None:
+    """close() finishes the partitions it holds, then waits for the coordinator, whose acquire
+    is answered meanwhile (granted): that grant is released too (before, it was taken up after
+    close() had finished the partitions, and held the partition for the lease ttl)."""
+    with redisq.connect(setup.proxy.url, namespace=namespace) as via:
+        consumer = via.consumer("t", "g", **QUIET)  # type: ignore[arg-type]
+        setup.hold_next_acquire()
+        wait_until(setup.acquire_held, what="the consumer's acquire held")
+        setup.proxy.pass_through()  # the trap is off; the acquire's connection stays held
+        closer = threading.Thread(target=consumer.close)
+        closer.start()
+        wait_until(lambda: consumer.ownership.stopping, what="close() under way")
+        setup.client.delete(setup.lease)
+        assert setup.proxy.release_held() == 1  # the acquire runs, its answer comes back
+        closer.join(RECOVERED_S)
+        assert not closer.is_alive()
+    assert setup.tokens() == 2  # it was granted...
+    assert setup.client.get(setup.lease) is None  # ...and released by close()
+
+
+@aio
+async def test_asyncio_a_late_copy_of_an_acquire_given_up_grants_nothing(
+    setup: Setup, namespace: str
+) -> None:
+    """close() cancels the coordinator while its acquire is still on the wire, and gives the
+    request up; the network then delivers the acquire late. Redis refuses it: nothing holds the
+    partition (before, the late copy was granted and held it for the lease ttl, unseen)."""
+    broker = await rq.connect(setup.proxy.url, namespace=namespace)
+    consumer = broker.consumer("t", "g", **QUIET)  # type: ignore[arg-type]
+    try:
+        await consumer.poll(0.05)
+        setup.hold_next_acquire()
+        await async_wait_until(setup.acquire_held, what="the consumer's acquire held")
+        setup.proxy.pass_through()  # the trap is off; the acquire's connection stays held
+        setup.client.delete(setup.lease)
+        await consumer.close()
+    finally:
+        await broker.close()
+    assert setup.proxy.release_held() == 1  # the late copy reaches Redis now
+    assert setup.proxy.wait_released(10)
+    assert setup.tokens() == 1  # not granted
+    assert setup.client.get(setup.lease) is None

@@ -211,11 +211,15 @@ class Consumer(Coordinator):
         if self._coordinator is not None:
             self._coordinator.cancel()
             await asyncio.gather(self._coordinator, return_exceptions=True)
-        for tp in list(self.ownership.requests):  # acquires that got no answer
+        # What the coordinator took up while the partitions above were finished (an acquire
+        # answered meanwhile), and acquires it had no answer to.
+        for tp in list(self.ownership.owned):
+            await self._finish(tp)
+        for tp in list(self.ownership.requests):
             try:
                 await self._abandon(tp)
             except redis.RedisError as exc:
-                log.warning("%s: releasing %s/%d: %s", self.name, tp[0], tp[1], exc)
+                log.warning("%s: giving up %s/%d: %s", self.name, tp[0], tp[1], exc)
         for topic in self._start_ids:
             try:
                 await self.broker.scripts.run(

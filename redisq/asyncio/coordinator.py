@@ -19,11 +19,11 @@ from redisq.coordinator import default_member_name
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.keys import dead_letter_topic, validate_name, validate_topic
-from redisq.ownership import OwnershipCore, TopicPartition, unanswered
+from redisq.ownership import OwnershipCore, TopicPartition
 from redisq.partition import PartitionIO, deserializer
 from redisq.policies import Backoff, make_policy
 from redisq.protocol import group as calls
-from redisq.protocol.group import Commit, Grant, GroupRef, Lease
+from redisq.protocol.group import Commit, GroupRef, Lease
 from redisq.records import Message
 from redisq.settings import ConsumerOptions, ConsumerSettings
 from redisq.stats import ConsumerStats
@@ -205,53 +205,40 @@ class Coordinator:
         for tp in due.abandon:
             await self._abandon(tp)
 
-    def _acquire_call(
-        self, tp: TopicPartition, request: str, *, again: bool = False
-    ) -> Awaitable[Grant | None]:
-        return self.broker.scripts.run(
-            calls.acquire_lease(
-                self.broker.keys, self._ref(tp[0]), tp[1], self.name,
-                self.settings.lease_ttl_ms, self._start_ids[tp[0]], request, again=again,
-            )
-        )  # fmt: skip
-
     async def _abandon(self, tp: TopicPartition) -> None:
-        """tp is no longer wanted, and an acquire of it got no answer: if that acquire was
-        granted, take the grant and release it (the next owner need not wait for its ttl)."""
+        """See redisq.coordinator.Coordinator._abandon."""
         request = self.ownership.requests.get(tp)
         if request is None:
             return
-        try:
-            grant = await self._acquire_call(tp, request, again=True)
-        except redis.RedisError as exc:
-            if unanswered(exc):
-                raise
-            grant = None
+        released = await self.broker.scripts.run(
+            calls.give_up_lease(self.broker.keys, self._ref(tp[0]), tp[1], self.name, request)
+        )
         self.ownership.answered(tp)
-        if grant is not None:
-            await self.broker.scripts.run(
-                calls.release_lease(self.broker.keys, grant.lease, grant.position)
-            )
-            log.info("%s: released %s/%d (granted unanswered)", self.name, *tp)
+        if released:
+            log.info("%s: released %s/%d (a grant whose answer was lost)", self.name, *tp)
 
     async def _acquire(self, tp: TopicPartition) -> None:
+        """See redisq.coordinator.Coordinator._acquire (the request id is kept until the grant
+        is taken up, refused or released)."""
         sent = time.monotonic()
         if self.mode == "concurrent":
             self.ownership.granted(tp, None, sent)
             self._maybe_start(tp)
             return
         try:
-            grant = await self._acquire_call(tp, self.ownership.acquire_request(tp))
+            grant = await self.broker.scripts.run(
+                calls.acquire_lease(
+                    self.broker.keys, self._ref(tp[0]), tp[1], self.name,
+                    self.settings.lease_ttl_ms, self._start_ids[tp[0]],
+                    self.ownership.acquire_request(tp),
+                )
+            )  # fmt: skip
         except TopicNotFound:
             self.ownership.answered(tp)
             self.ownership.partitions_seen(tp[0], None)
             return
-        except redis.RedisError as exc:
-            if not unanswered(exc):
-                self.ownership.answered(tp)
-            raise
-        self.ownership.answered(tp)
         if grant is None:
+            self.ownership.answered(tp)
             return
         if grant.pending_tx is not None:  # a transaction of the previous owner holds it
             try:
@@ -261,10 +248,12 @@ class Coordinator:
                 await self.broker.scripts.run(
                     calls.release_lease(self.broker.keys, grant.lease, grant.position)
                 )  # nothing given out
+                self.ownership.answered(tp)
                 return
         reader = OrderlyPartition(grant)
         await self.io.load_parked(reader)
         self.ownership.granted(tp, grant, sent)
+        self.ownership.answered(tp)  # no await between: a cancel finds it owned or still asked
         self._readers[tp] = reader
         self.stats.leases_acquired += 1
         log.info("%s: acquired %s/%d (token %d)", self.name, tp[0], tp[1], grant.lease.token)

@@ -102,6 +102,15 @@ class Grant:
     pending_tx: str | None = None  # a transaction of the previous owner carrying its position
 
 
+def _lease_keys(keys: KeySpace, ref: GroupRef, partition: int) -> tuple[str, ...]:
+    return (
+        keys.lease(ref.topic, partition, ref.group),
+        keys.lease_fence(ref.topic, partition, ref.group),
+        keys.log(ref.topic, partition),
+        keys.group_partition_state(ref.topic, partition, ref.group),
+    )
+
+
 def acquire_lease(
     keys: KeySpace,
     ref: GroupRef,
@@ -110,16 +119,13 @@ def acquire_lease(
     lease_ttl_ms: int,
     start_id: str,
     request: str = "",
-    *,
-    again: bool = False,
 ) -> ScriptCall[Grant | None]:
     """acquire_lease.lua: SET NX PX with a fresh fencing token (None while another member holds
     it); creates the Redis consumer group on the stream at the group's start if missing.
 
     request: this attempt's id (OwnershipCore.acquire_request). Sent again after an attempt got
     no answer, it is answered with the grant that attempt made, if that grant still holds the
-    lease. again=True asks only for that grant (None when there is none): a member that no
-    longer wants the partition takes it so as to release it."""
+    lease (see give_up_lease for a member that no longer wants it)."""
 
     def decode(reply: Any) -> Grant | None:
         if not int(reply[0]):
@@ -135,14 +141,24 @@ def acquire_lease(
 
     return ScriptCall(
         "acquire_lease",
-        (
-            keys.lease(ref.topic, partition, ref.group),
-            keys.lease_fence(ref.topic, partition, ref.group),
-            keys.log(ref.topic, partition),
-            keys.group_partition_state(ref.topic, partition, ref.group),
-        ),
-        (ref.group, member, lease_ttl_ms, start_id, request, "again" if again else ""),
+        _lease_keys(keys, ref, partition),
+        (ref.group, member, lease_ttl_ms, start_id, request),
         decode,
+        ref.topic,
+    )
+
+
+def give_up_lease(
+    keys: KeySpace, ref: GroupRef, partition: int, member: str, request: str
+) -> ScriptCall[bool]:
+    """acquire_lease.lua with "give_up": an acquire attempt that got no answer is given up by a
+    member that no longer wants the partition. The grant it made, if it still holds the lease,
+    is released (True), and a late copy of the attempt is refused. Safe to send again."""
+    return ScriptCall(
+        "acquire_lease",
+        _lease_keys(keys, ref, partition),
+        (ref.group, member, 1, "0", request, "give_up"),
+        lambda reply: bool(int(reply[1])),
         ref.topic,
     )
 
