@@ -224,6 +224,7 @@ class Worker(threading.Thread):
         run_last = ""  # orderly: the run handled, the position not moved over it yet
         run = 0
         owned = ownership.owned.get(tp) if reader is not None else None
+        margin = ownership.margin_s
         try:
             for message in messages:
                 if owned is not None and owned.paused:  # pause(): no further message starts
@@ -241,8 +242,13 @@ class Worker(threading.Thread):
                 # so this sees the state just before or just after a change (the lock adds
                 # nothing to a check that can be outdated the moment it returns); the lease
                 # deadline is what bounds it, and a lost lease fences the commit anyway.
+                # OwnershipCore.may_handle, inlined on this grant's Owned (a partition handed
+                # over is marked finished before it is forgotten).
                 if reader is not None:
-                    if not ownership.may_handle(tp, monotonic()):
+                    if (
+                        owned is None or owned.revoked or owned.lost or owned.finished
+                        or ownership.stopping or monotonic() >= owned.deadline - margin
+                    ):  # fmt: skip
                         raise _Stop
                 elif stopping.is_set() or tp not in ownership.owned:
                     raise _Stop

@@ -218,14 +218,18 @@ class _Handling:
         tp = self.tp
         monotonic = time.monotonic
         owned = ownership.owned.get(tp) if reader is not None else None
+        margin = ownership.margin_s
         for message in messages:
             if owned is not None and owned.paused:  # pause(): no further message starts
                 raise _Paused(message.offset)
             if message.__class__ is not Message or (reader is not None and reader.parked):
                 await self.handle_one(reader, message, lane=False)
                 continue
-            if reader is not None:
-                if not ownership.may_handle(tp, monotonic()):
+            if reader is not None:  # ownership.may_handle, inlined (see redisq.worker)
+                if (
+                    owned is None or owned.revoked or owned.lost or owned.finished
+                    or ownership.stopping or monotonic() >= owned.deadline - margin
+                ):  # fmt: skip
                     raise Stop
             elif stopping.is_set() or tp not in ownership.owned:
                 raise Stop
