@@ -3,21 +3,32 @@
 KEYS[1]  the lease key (a string holding the holder's token)
 KEYS[2]  optional: the group's partition state hash   <ns>:{<topic>:<p>}:gstate:<group>
 ARGV[1]  the holder's token
-ARGV[2]  with KEYS[2]: the position the lease was granted at, sent by an orderly owner that
-         gave out no message. acquire_lease.lua counted its grant as a takeover of the message
-         after that position; it made no attempt (a hand-over or close before its first read),
-         so the count is taken back: a rebalance is not an attempt.
+ARGV[2]  with KEYS[2], optional ("" for none): the position the lease was granted at, sent by
+         an orderly owner that gave out no message. acquire_lease.lua counted its grant as a
+         takeover of the message after that position; it made no attempt (a hand-over or close
+         before its first read), so the count is taken back: a rebalance is not an attempt.
+
+With KEYS[2], a lease granted to an acquire request (acquire_lease.lua's grant_request and
+grant_lease) marks that request given up: a copy of its acquire that arrives late is refused
+instead of granting the partition again to a member that has let it go.
 
 Returns 1 if released, 0 if the lease was gone or held by someone else.
 Error replies: none of its own.
 ]]
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  if KEYS[2] and redis.call('HGET', KEYS[2], 'takeover_position') == ARGV[2] then
-    if tonumber(redis.call('HGET', KEYS[2], 'takeovers') or '0') > 0 then
-      redis.call('HINCRBY', KEYS[2], 'takeovers', -1)
-    else  -- the first grant at this position: the next one starts counting afresh
-      redis.call('HDEL', KEYS[2], 'takeover_position', 'takeovers')
+  if KEYS[2] then
+    local grant = redis.call('HMGET', KEYS[2], 'grant_request', 'grant_lease')
+    if grant[2] == ARGV[1] then
+      redis.call('HDEL', KEYS[2], 'grant_request', 'grant_lease')
+      redis.call('HSET', KEYS[2], 'given_up', grant[1])
+    end
+    if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], 'takeover_position') == ARGV[2] then
+      if tonumber(redis.call('HGET', KEYS[2], 'takeovers') or '0') > 0 then
+        redis.call('HINCRBY', KEYS[2], 'takeovers', -1)
+      else  -- the first grant at this position: the next one starts counting afresh
+        redis.call('HDEL', KEYS[2], 'takeover_position', 'takeovers')
+      end
     end
   end
   return 1

@@ -283,11 +283,11 @@ class Consumer(Coordinator):
             # answered meanwhile), and acquires it had no answer to.
             for tp in list(self.ownership.owned):
                 self._finish(tp)
-            for tp in list(self.ownership.requests):
-                try:
-                    self._abandon(tp)
-                except redis.RedisError as exc:
-                    log.warning("%s: giving up %s/%d: %s", self.name, tp[0], tp[1], exc)
+            with self._lock:
+                for tp in list(self.ownership.requests):
+                    self.ownership.give_up(tp)
+            for request, tp in list(self.ownership.giving_up.items()):
+                self._give_up(request, tp)
         for membership in self._memberships.values():
             try:
                 membership.leave()

@@ -196,31 +196,35 @@ class Coordinator:
             self._renew(tp)
         for tp in due.hand_over:
             self._hand_over(tp, now)
+        for request, tp in due.give_up:  # first: an acquire that fails must not hold them up
+            self._give_up(request, tp)
         for tp in due.acquire:
             if self._stopping.is_set():
                 break
-            self._acquire(tp)
-        for tp in due.abandon:
-            self._abandon(tp)
+            try:
+                self._acquire(tp)
+            except redis.RedisError as exc:  # the others are tried all the same
+                log.warning("%s: acquiring %s/%d: %s: %s", self.name, *tp, type(exc).__name__, exc)
 
-    def _abandon(self, tp: TopicPartition) -> None:
-        """tp is no longer wanted, and an acquire of it got no answer: give that acquire up
-        (the grant it made, if any, is released: the next owner need not wait for its ttl).
-        On an error the request is kept, and given up again later."""
-        with self._lock:
-            request = self.ownership.requests.get(tp)
-        if request is None:
+    def _give_up(self, request: str, tp: TopicPartition) -> None:
+        """An acquire of tp given up (tp no longer wanted, or its grant could not be taken up):
+        the grant it made, if any, is released (the next owner need not wait for its ttl). An
+        error leaves it to the next tick."""
+        membership = self._memberships.get(tp[0])
+        try:
+            released = membership is not None and membership.give_up_lease(tp[1], request)
+        except redis.RedisError as exc:
+            log.warning("%s: giving up %s/%d: %s: %s", self.name, *tp, type(exc).__name__, exc)
             return
-        released = self._memberships[tp[0]].give_up_lease(tp[1], request)
         with self._lock:
-            self.ownership.answered(tp)
+            self.ownership.given_up(request)
         if released:
-            log.info("%s: released %s/%d (a grant whose answer was lost)", self.name, *tp)
+            log.info("%s: released %s/%d (its acquire given up)", self.name, *tp)
 
     def _acquire(self, tp: TopicPartition) -> None:
-        """Acquire tp's lease. Its request id is kept until the grant is taken up (or refused,
-        or released): after any error, the next attempt is answered with the grant this one
-        may have made (an error reply to a second attempt says nothing of the first)."""
+        """Acquire tp's lease. Its request id is kept until the grant is taken up, refused or
+        given up: after any error, the next attempt is answered with the grant this one may
+        have made (an error reply to a second attempt says nothing of the first)."""
         sent = time.monotonic()
         membership = self._memberships[tp[0]]
         if self.mode == "concurrent":
@@ -249,9 +253,10 @@ class Coordinator:
                 )
             except (RedisqError, redis.RedisError) as exc:
                 log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
-                membership.release_lease(grant.lease, grant.position)  # nothing given out
-                with self._lock:
-                    self.ownership.answered(tp)
+                with self._lock:  # released, nothing given out
+                    given_up = self.ownership.give_up(tp)
+                if given_up is not None:
+                    self._give_up(given_up, tp)
                 return
         reader = OrderlyPartition(grant)
         self.io.load_parked(reader)

@@ -68,9 +68,9 @@ class Due:
     acquire: list[TopicPartition] = field(default_factory=list)
     renew: list[TopicPartition] = field(default_factory=list)
     hand_over: list[TopicPartition] = field(default_factory=list)  # revoked or closing
-    # no longer wanted, with an acquire whose answer was lost: give it up (the grant it made, if
-    # any, is released: the next owner need not wait for its ttl)
-    abandon: list[TopicPartition] = field(default_factory=list)
+    # acquires given up whose give-up is still to be answered (request id, partition): the
+    # grant each made, if any, is released by it (the next owner need not wait for its ttl)
+    give_up: list[tuple[str, TopicPartition]] = field(default_factory=list)
 
 
 class OwnershipCore:
@@ -98,10 +98,14 @@ class OwnershipCore:
         self.owned: dict[TopicPartition, Owned] = {}
         self.stopping = False
         self.rebalances = 0
-        # Acquire attempts not yet taken up (no answer, an error, or a grant not yet taken up:
-        # the call may have granted the lease): the next attempt on the partition sends the same
+        # Acquire attempts not done with (no answer, an error, or a grant not yet taken up: the
+        # call may have granted the lease): the next attempt on the partition sends the same
         # request id and gets that grant.
         self.requests: dict[TopicPartition, str] = {}
+        # Requests given up (the partition no longer wanted), until Redis answers the give-up.
+        # A request given up is never sent as an acquire again: a give-up still on its way
+        # would release the grant that acquire took up.
+        self.giving_up: dict[str, TopicPartition] = {}
         self._next_heartbeat = 0.0
         self._next_metadata = 0.0
 
@@ -140,8 +144,10 @@ class OwnershipCore:
             if owned.lease is not None and now >= owned.renew_due:
                 renew.append(tp)
         acquire = sorted(tp for tp in target if tp not in self.owned)
-        abandon = sorted(tp for tp in self.requests if tp not in target and tp not in self.owned)
-        return Due(heartbeat, refresh, acquire, renew, hand_over, abandon)
+        for tp in [tp for tp in self.requests if tp not in target and tp not in self.owned]:
+            self.give_up(tp)
+        give_up = sorted(self.giving_up.items())
+        return Due(heartbeat, refresh, acquire, renew, hand_over, give_up)
 
     def may_handle(self, tp: TopicPartition, now: float) -> bool:
         owned = self.owned.get(tp)
@@ -166,9 +172,20 @@ class OwnershipCore:
         return request
 
     # -- what happened ---------------------------------------------------------------------------
+    def give_up(self, tp: TopicPartition) -> str | None:
+        """tp's acquire request, given up (None if there is none): the driver sends the give-up
+        now, and again with every due() until given_up(request) says it was answered. The next
+        acquire of tp takes a new request id."""
+        request = self.requests.pop(tp, None)
+        if request is not None:
+            self.giving_up[request] = tp
+        return request
+
+    def given_up(self, request: str) -> None:
+        self.giving_up.pop(request, None)
+
     def answered(self, tp: TopicPartition) -> None:
-        """An acquire of tp is done with: refused, its grant taken up or released, or given
-        up."""
+        """An acquire of tp is done with: refused, or its grant taken up."""
         self.requests.pop(tp, None)
 
     def members_seen(self, topic: str, members: list[str]) -> bool:

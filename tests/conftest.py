@@ -19,7 +19,8 @@ import pytest
 import redis
 
 import redisq
-from tests.servers import ServerProcess, redis_binary, start_cluster
+from tests.history.proxy import Proxy
+from tests.servers import ServerProcess, binary_for, redis_binary, start_cluster
 
 BACKENDS = [
     "valkey",
@@ -131,3 +132,14 @@ def broker(server_url: str, namespace: str) -> Iterator[redisq.Broker]:
     except redis.RedisError:
         pass
     broker.close()
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, Proxy]]:
+    """A private server of each kind, and a proxy in front of it that can hold what is sent
+    (tests/history/proxy.py)."""
+    server = ServerProcess(binary_for(str(request.param))).start()
+    proxy = Proxy(server.port).start()
+    yield server, proxy
+    proxy.stop()
+    server.stop()

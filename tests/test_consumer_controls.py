@@ -24,7 +24,7 @@ from redisq.records import MAX_STREAM_ID_PART, Message, offset_after, offset_bef
 from tests.aio import aio, start_running
 from tests.aio import wait_until as async_wait_until
 from tests.history.proxy import Proxy
-from tests.servers import ServerProcess, binary_for
+from tests.servers import ServerProcess
 from tests.test_consumer import wait_until
 
 
@@ -181,16 +181,6 @@ def test_seek_from_the_handler_with_key_lanes_takes_effect_within_a_chunk(
 
 # -- poll(): a seek while its read is in flight ----------------------------------------------------
 LATER = [f"m{i}".encode() for i in range(5, 10)]
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, Proxy]]:
-    """A private server of each kind, and a proxy in front of it that can hold a read."""
-    server = ServerProcess(binary_for(str(request.param))).start()
-    proxy = Proxy(server.port).start()
-    yield server, proxy
-    proxy.stop()
-    server.stop()
 
 
 def test_poll_seek_while_its_read_is_in_flight_wins(

@@ -17,6 +17,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -28,7 +29,7 @@ from redisq.records import Message
 from tests.aio import aio
 from tests.aio import wait_until as async_wait_until
 from tests.history.proxy import Proxy
-from tests.servers import ServerProcess, binary_for
+from tests.servers import ServerProcess
 from tests.test_consumer import wait_until
 
 VALUES = [f"m{i}".encode() for i in range(5)]
@@ -134,15 +135,6 @@ def test_giving_up_a_grant_that_ran_out_unseen_takes_its_count_back(
 
 
 # -- real faults: the answer lost with the connection ---------------------------------------------
-@pytest.fixture(params=["valkey", "redis"])
-def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, Proxy]]:
-    server = ServerProcess(binary_for(str(request.param))).start()
-    proxy = Proxy(server.port).start()
-    yield server, proxy
-    proxy.stop()
-    server.stop()
-
-
 class Setup:
     """A topic of five messages on the private server, and a foreign holder of the partition's
     lease, so the consumer keeps trying to acquire it (one attempt at a time, every tick)."""
@@ -407,3 +399,122 @@ async def test_asyncio_a_late_copy_of_an_acquire_given_up_grants_nothing(
     assert setup.proxy.wait_released(10)
     assert setup.tokens() == 1  # not granted
     assert setup.client.get(setup.lease) is None
+
+
+# -- a request given up is never sent as an acquire again -----------------------------------------
+def test_a_request_given_up_is_not_sent_again_as_an_acquire() -> None:
+    """The core's bookkeeping (no I/O): a give-up still on its way could otherwise arrive after
+    the same request's grant was taken up again, and release it under its holder."""
+    from redisq.ownership import OwnershipCore
+
+    core = OwnershipCore("m", orderly=True, lease_ttl_ms=TTL_MS, heartbeat_ms=1_000,
+                         metadata_max_age_ms=5_000)  # fmt: skip
+    core.partitions_seen("t", 1)
+    core.members_seen("t", ["m"])
+    tp = ("t", 0)
+    first = core.acquire_request(tp)
+    assert core.acquire_request(tp) == first  # no answer yet: the same id again
+    core.members_seen("t", ["a", "m"])  # the partition moves to a
+    due = core.due(0.0)
+    assert due.give_up == [(first, tp)] and due.acquire == []
+    core.members_seen("t", ["m"])  # and back, before the give-up was answered
+    due = core.due(0.0)
+    assert due.give_up == [(first, tp)] and due.acquire == [tp]
+    assert core.acquire_request(tp) != first
+    core.given_up(first)
+    assert core.due(0.0).give_up == []
+
+
+def test_a_late_give_up_leaves_a_newer_grant_alone(broker: redisq.Broker) -> None:
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    a = member(broker, "a")
+    lease_key = broker.keys.lease("t", 0, "g")
+    assert a.acquire_lease(0, "r1") is not None  # its answer lost; r1 is then given up...
+    broker.client.delete(lease_key)  # ...but the give-up is slow, and r1's grant runs out
+    newer = a.acquire_lease(0, "r2")
+    assert newer is not None
+    assert not a.give_up_lease(0, "r1")  # the give-up arrives: nothing of r2's is touched
+    assert broker.client.get(lease_key).decode() == newer.lease.value
+
+
+def test_a_late_copy_of_a_released_grants_request_is_refused(broker: redisq.Broker) -> None:
+    """r1 granted, its answer taken up by a resend, then released on a hand-over; the first
+    copy of r1 arrives late: refused (before, it granted the partition again, unseen)."""
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    a, b = member(broker, "a"), member(broker, "b")
+    grant = a.acquire_lease(0, "r1")
+    assert grant is not None and a.release_lease(grant.lease, grant.position)
+    assert a.acquire_lease(0, "r1") is None
+    assert broker.client.get(broker.keys.lease("t", 0, "g")) is None
+    nxt = b.acquire_lease(0, "r2")
+    assert nxt is not None and nxt.takeovers == 0  # the release took r1's count back once
+
+
+def test_a_failing_acquire_does_not_hold_up_a_give_up(
+    setup: Setup, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t/0's grant is lost and t/0 moves to another member while every acquire of t/1 times
+    out: the give-up of t/0 still goes, and the other member gets t/0 at once (before, the
+    acquire's error ended the tick before any give-up was sent)."""
+    setup.direct.add_partitions("t", 2)
+    t1 = setup.direct.keys.lease("t", 1, "g")
+    setup.client.set(t1, "1:someone-else:0", px=600_000)
+    acquire = GroupMembership.acquire_lease
+
+    def failing(membership: GroupMembership, partition: int, *args: Any, **kw: Any) -> Any:
+        if partition == 1 and membership.member == "z-consumer":
+            raise redis.TimeoutError("t/1 times out (the test)")
+        return acquire(membership, partition, *args, **kw)
+
+    options = {**QUIET, "heartbeat_interval_ms": 100}
+    with redisq.connect(setup.proxy.url, namespace=namespace) as via:
+        consumer = via.consumer("t", "g", "z-consumer", **options)  # type: ignore[arg-type]
+        setup.hold_next_acquire()
+        wait_until(setup.acquire_held, what="the consumer's acquire of t/0 held")
+        monkeypatch.setattr(GroupMembership, "acquire_lease", failing)
+        other = member(setup.direct, "a-other")  # sorts first: t/0 is its share
+        other.heartbeat()
+        setup.lose_the_answer()
+        wait_until(lambda: setup.client.get(setup.lease) is None, timeout=RECOVERED_S,
+                   what="t/0's lost grant released")  # fmt: skip
+        assert other.acquire_lease(0, "o1") is not None
+        consumer.close()
+
+
+@aio
+async def test_asyncio_close_in_the_middle_of_a_hand_over_releases_the_lease(
+    broker: redisq.Broker, server_url: str, namespace: str
+) -> None:
+    """The coordinator hands t/0 over (another member came) and awaits on_revoke; close()
+    cancels it there. The hand-over is left to close(), which finishes it (on_revoke is called
+    again) and releases the lease (before, the partition was forgotten with its lease held)."""
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    revoked: list[list[tuple[str, int]]] = []
+
+    async def on_revoke(tps: list[tuple[str, int]]) -> None:
+        revoked.append(tps)
+        if len(revoked) == 1:
+            await asyncio.sleep(60)  # close() comes in the middle
+
+    aio_broker = await rq.connect(server_url, namespace=namespace)
+    consumer = aio_broker.consumer(
+        "t", "g", "z-member", on_revoke=on_revoke, heartbeat_interval_ms=100,
+        session_timeout_ms=30_000,
+    )  # fmt: skip
+    try:
+        got: list[Message] = []
+        while len(got) < len(VALUES):
+            got.extend(await consumer.poll(0.2))
+        await consumer.ack(got)
+        member(broker, "a-other").heartbeat()  # sorts first: t/0 is its share now
+        await async_wait_until(lambda: bool(revoked), what="the hand-over under way")
+        await consumer.close()
+    finally:
+        await aio_broker.close()
+    assert len(revoked) == 2
+    assert broker.client.get(broker.keys.lease("t", 0, "g")) is None
+    (group,) = broker.client.xinfo_groups(broker.keys.log("t", 0))
+    assert group["last-delivered-id"].decode() == got[-1].offset  # what was acked: committed

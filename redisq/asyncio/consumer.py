@@ -216,10 +216,9 @@ class Consumer(Coordinator):
         for tp in list(self.ownership.owned):
             await self._finish(tp)
         for tp in list(self.ownership.requests):
-            try:
-                await self._abandon(tp)
-            except redis.RedisError as exc:
-                log.warning("%s: giving up %s/%d: %s", self.name, tp[0], tp[1], exc)
+            self.ownership.give_up(tp)
+        for request, tp in list(self.ownership.giving_up.items()):
+            await self._give_up(request, tp)
         for topic in self._start_ids:
             try:
                 await self.broker.scripts.run(

@@ -198,24 +198,28 @@ class Coordinator:
             if waiting and owned and now - owned.revoked_at < self.settings.lease_ttl_ms / 1000:
                 continue
             await self._finish(tp)
+        for request, tp in due.give_up:  # first: an acquire that fails must not hold them up
+            await self._give_up(request, tp)
         for tp in due.acquire:
             if self._stopping.is_set():
                 break
-            await self._acquire(tp)
-        for tp in due.abandon:
-            await self._abandon(tp)
+            try:
+                await self._acquire(tp)
+            except redis.RedisError as exc:  # the others are tried all the same
+                log.warning("%s: acquiring %s/%d: %s: %s", self.name, *tp, type(exc).__name__, exc)
 
-    async def _abandon(self, tp: TopicPartition) -> None:
-        """See redisq.coordinator.Coordinator._abandon."""
-        request = self.ownership.requests.get(tp)
-        if request is None:
+    async def _give_up(self, request: str, tp: TopicPartition) -> None:
+        """See redisq.coordinator.Coordinator._give_up."""
+        try:
+            released = await self.broker.scripts.run(
+                calls.give_up_lease(self.broker.keys, self._ref(tp[0]), tp[1], self.name, request)
+            )
+        except redis.RedisError as exc:
+            log.warning("%s: giving up %s/%d: %s: %s", self.name, *tp, type(exc).__name__, exc)
             return
-        released = await self.broker.scripts.run(
-            calls.give_up_lease(self.broker.keys, self._ref(tp[0]), tp[1], self.name, request)
-        )
-        self.ownership.answered(tp)
+        self.ownership.given_up(request)
         if released:
-            log.info("%s: released %s/%d (a grant whose answer was lost)", self.name, *tp)
+            log.info("%s: released %s/%d (its acquire given up)", self.name, *tp)
 
     async def _acquire(self, tp: TopicPartition) -> None:
         """See redisq.coordinator.Coordinator._acquire (the request id is kept until the grant
@@ -245,10 +249,9 @@ class Coordinator:
                 grant = await self.broker.run(settle_input(self.broker.keys, grant))
             except (RedisqError, redis.RedisError) as exc:
                 log.warning("%s: settling %s/%d: %s", self.name, tp[0], tp[1], exc)
-                await self.broker.scripts.run(
-                    calls.release_lease(self.broker.keys, grant.lease, grant.position)
-                )  # nothing given out
-                self.ownership.answered(tp)
+                request = self.ownership.give_up(tp)  # released, nothing given out
+                if request is not None:
+                    await self._give_up(request, tp)
                 return
         reader = OrderlyPartition(grant)
         await self.io.load_parked(reader)
@@ -295,6 +298,7 @@ class Coordinator:
             return
         owned.finishing = True
         untried = reader.hand_back() if reader is not None else None  # a poll() read: dropped
+        cancelled = False
         try:
             if reader is not None:
                 try:
@@ -308,10 +312,17 @@ class Coordinator:
                 )
                 if not released and self.ownership.lost(tp):
                     self.stats.leases_lost += 1
+        except asyncio.CancelledError:
+            # close() cancelled the coordinator in the middle of this hand-over: left to close(),
+            # which finishes what is still owned (from the start: the commit and the release
+            # are safe to send again)
+            owned.finishing, cancelled = False, True
+            raise
         except redis.RedisError as exc:
             log.warning("%s: handing over %s/%d: %s", self.name, tp[0], tp[1], exc)
         finally:
-            self._forget(tp)
+            if not cancelled:
+                self._forget(tp)
 
     def _forget(self, tp: TopicPartition) -> None:
         self.ownership.finished(tp)

@@ -182,13 +182,17 @@ def release_lease(keys: KeySpace, lease: Lease, untried_at: str | None = None) -
     """release_lease.lua: DEL while the value is still ours (the next owner need not wait).
     untried_at: the position an orderly owner was granted at and gave out no message from:
     its grant is not counted as a takeover of the message after it (a rebalance is not an
-    attempt toward the failure policy)."""
-    lease_key = keys.lease(lease.topic, lease.partition, lease.group)
-    if untried_at is None:
-        return ScriptCall("release_lease", (lease_key,), (lease.value,), _flag, lease.topic)
-    state = keys.group_partition_state(lease.topic, lease.partition, lease.group)
+    attempt toward the failure policy). The acquire request the grant answered is marked
+    given up (a late copy of it is refused)."""
     return ScriptCall(
-        "release_lease", (lease_key, state), (lease.value, untried_at), _flag, lease.topic
+        "release_lease",
+        (
+            keys.lease(lease.topic, lease.partition, lease.group),
+            keys.group_partition_state(lease.topic, lease.partition, lease.group),
+        ),
+        (lease.value, untried_at or ""),
+        _flag,
+        lease.topic,
     )
 
 
