@@ -33,8 +33,8 @@ An attempt whose answer was lost is answered again: when ARGV[5] is the request 
 grant the lease holds now, that same grant is answered (same value, its ttl restarted), so the
 partition does not wait for the lease to run out. Only the instance that made the attempt
 knows its id, and it never saw that grant: nothing else can hold it. The state hash keeps the
-last grant's request id and lease value (grant_request, grant_lease), and the last request
-given up (given_up: one per group and partition, the latest). A request counts as one
+last grant's request id and lease value (grant_request, grant_lease), and the requests given
+up (given_up, see includes/group.lua). A request counts as one
 takeover however often it is answered, also when its grant expired unseen and it is granted
 anew with no other grant in between (the fencing counter tells).
 
@@ -51,7 +51,7 @@ Error replies
 
 local request = ARGV[5] or ''
 local current = redis.call('GET', KEYS[1])
-local state = redis.call('HMGET', KEYS[4], 'grant_request', 'grant_lease', 'given_up')
+local state = redis.call('HMGET', KEYS[4], 'grant_request', 'grant_lease')
 local same_request = request ~= '' and state[1] == request
 local function token_of(value)
   return tonumber(string.match(value or '', '^(%d+):'))
@@ -98,12 +98,12 @@ if ARGV[6] == 'give_up' then
     redis.call('HDEL', KEYS[4], 'grant_request', 'grant_lease')
   end
   if request ~= '' then
-    redis.call('HSET', KEYS[4], 'given_up', request)
+    give_up_request(KEYS[4], request)
   end
   return {0, released}
 end
 
-if request ~= '' and state[3] == request then  -- a late copy of a request given up
+if request ~= '' and given_up(KEYS[4], request) then  -- a late copy of a request given up
   return {0, current or ''}
 end
 if current and not (same_request and state[2] == current) then

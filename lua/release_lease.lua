@@ -15,13 +15,15 @@ instead of granting the partition again to a member that has let it go.
 Returns 1 if released, 0 if the lease was gone or held by someone else.
 Error replies: none of its own.
 ]]
+-- #include includes/group.lua
+
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   if KEYS[2] then
     local grant = redis.call('HMGET', KEYS[2], 'grant_request', 'grant_lease')
-    if grant[2] == ARGV[1] then
+    if grant[1] and grant[2] == ARGV[1] then
       redis.call('HDEL', KEYS[2], 'grant_request', 'grant_lease')
-      redis.call('HSET', KEYS[2], 'given_up', grant[1])
+      give_up_request(KEYS[2], grant[1])
     end
     if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], 'takeover_position') == ARGV[2] then
       if tonumber(redis.call('HGET', KEYS[2], 'takeovers') or '0') > 0 then

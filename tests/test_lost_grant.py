@@ -518,3 +518,59 @@ async def test_asyncio_close_in_the_middle_of_a_hand_over_releases_the_lease(
     assert broker.client.get(broker.keys.lease("t", 0, "g")) is None
     (group,) = broker.client.xinfo_groups(broker.keys.log("t", 0))
     assert group["last-delivered-id"].decode() == got[-1].offset  # what was acked: committed
+
+
+def test_a_late_copy_stays_refused_after_other_hand_overs(broker: redisq.Broker) -> None:
+    """a gives up ra; o is granted the partition and hands it over as usual; then the late copy
+    of ra arrives: still refused (Redis keeps the last 16 requests given up, not only one)."""
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    a, o = member(broker, "a"), member(broker, "o")
+    assert not a.give_up_lease(0, "ra")  # its acquire never arrived (yet)
+    for n in range(3):
+        grant = o.acquire_lease(0, f"ro{n}")
+        assert grant is not None and o.release_lease(grant.lease, grant.position)
+    assert a.acquire_lease(0, "ra") is None
+    assert broker.client.get(broker.keys.lease("t", 0, "g")) is None
+    for n in range(16):  # the oldest are forgotten, the list stays bounded
+        assert not a.give_up_lease(0, f"more{n}")
+    given_up = broker.client.hget(broker.keys.group_partition_state("t", 0, "g"), "given_up")
+    assert given_up is not None and len(given_up.split()) == 16
+
+
+@aio
+async def test_asyncio_close_in_the_middle_of_a_hand_overs_commit_commits(
+    broker: redisq.Broker, server_url: str, namespace: str
+) -> None:
+    """close() cancels the hand-over while its commit is on the way: close() sends the commit
+    again (before, the commit was lost with the cancel and the next owner got the acked
+    messages again). White-box: the hand-over's commit is slowed down."""
+    broker.create_topic("t", partitions=1)
+    send(broker, *VALUES)
+    aio_broker = await rq.connect(server_url, namespace=namespace)
+    consumer = aio_broker.consumer(
+        "t", "g", "z-member", heartbeat_interval_ms=100, session_timeout_ms=30_000,
+    )  # fmt: skip
+    try:
+        got: list[Message] = []
+        while len(got) < len(VALUES):
+            got.extend(await consumer.poll(0.2))
+        commit = consumer.io.commit
+        committing = asyncio.Event()
+
+        async def slow_commit(*args: Any) -> None:
+            if not committing.is_set():
+                committing.set()
+                await asyncio.sleep(2)
+            await commit(*args)
+
+        consumer.io.commit = slow_commit  # type: ignore[method-assign]
+        await consumer.ack(got)
+        member(broker, "a-other").heartbeat()  # sorts first: t/0 is its share now
+        await asyncio.wait_for(committing.wait(), 10)
+        await consumer.close()
+    finally:
+        await aio_broker.close()
+    (group,) = broker.client.xinfo_groups(broker.keys.log("t", 0))
+    assert group["last-delivered-id"].decode() == got[-1].offset
+    assert broker.client.get(broker.keys.lease("t", 0, "g")) is None

@@ -37,3 +37,26 @@ local function lease_holder(lease, value)
   end
   return redis.call('GET', lease) == value
 end
+
+-- Acquire requests given up (acquire_lease.lua's request ids whose grants were released or
+-- given up): a late copy of one is refused. The last GIVEN_UP_KEPT of them are kept, space
+-- separated, in the field given_up of the group's partition state hash: a copy that arrives
+-- after that many later give-ups or releases of the partition is granted (and its lease then
+-- runs out unused).
+local GIVEN_UP_KEPT = 16
+
+-- given_up(state, request): true if `request` was given up.
+local function given_up(state, request)
+  local list = redis.call('HGET', state, 'given_up')
+  return list ~= false and string.find(' ' .. list .. ' ', ' ' .. request .. ' ', 1, true) ~= nil
+end
+
+-- give_up_request(state, request): remember `request` as given up.
+local function give_up_request(state, request)
+  local ids = {}
+  for id in string.gmatch(redis.call('HGET', state, 'given_up') or '', '%S+') do
+    ids[#ids + 1] = id
+  end
+  ids[#ids + 1] = request
+  redis.call('HSET', state, 'given_up', table.concat(ids, ' ', math.max(1, #ids - GIVEN_UP_KEPT + 1)))
+end

@@ -354,7 +354,7 @@ class Coordinator:
             self.stats.fenced_commits += 1
             self._lease_lost(tp)
             raise
-        except redis.RedisError:
+        except (redis.RedisError, asyncio.CancelledError):  # a cancel: close() commits it again
             reader.commit_failed(commit, time.monotonic())
             raise
         reader.committed(commit)
