@@ -208,6 +208,38 @@ async def test_cancelling_run_leaves_the_group_cleanly(env: Env) -> None:
         assert first.done[k] + heir.done[k] == list(range(50)), k
 
 
+@aio
+async def test_close_ends_the_coordinator_when_its_cancel_is_swallowed(env: Env) -> None:
+    """A cancel can be lost on its way through a redis call (redis-py's read timeout firing
+    with it turns it into redis.TimeoutError, which the coordinator logs and survives): close()
+    still returns, hands the lease back and leaves the group (before, it awaited the cancelled
+    coordinator for ever). White-box: the coordinator's tick is made to swallow the cancel."""
+    async with env.connect() as broker:
+        await broker.create_topic("orders", partitions=1)
+        consumer = broker.consumer("orders", "g", **FAST)
+        await consumer.poll(0.05)
+        await wait_until(lambda: consumer.assignment == [0], what="the partition taken")
+        tick = consumer._coordinate_once
+        inside, swallowed = asyncio.Event(), []
+
+        async def swallowing(now: float) -> None:
+            await tick(now)
+            if not swallowed:
+                inside.set()
+                try:
+                    await asyncio.sleep(60)  # as a redis call would wait
+                except asyncio.CancelledError:
+                    swallowed.append(True)
+                    raise redis.TimeoutError("Timeout reading from the server") from None
+
+        consumer._coordinate_once = swallowing  # type: ignore[method-assign]
+        await asyncio.wait_for(inside.wait(), 10)
+        await asyncio.wait_for(consumer.close(), 10)
+        assert swallowed == [True], "precondition: the cancel was swallowed"
+        description = describe_group(env.sync, "orders", "g")
+        assert description.members == [] and all(p.owner is None for p in description.partitions)
+
+
 # -- poll / ack / commit -------------------------------------------------------------------------
 @aio
 async def test_poll_gates_a_partition_until_acked(env: Env) -> None:

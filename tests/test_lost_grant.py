@@ -25,6 +25,7 @@ import redis
 import redisq
 import redisq.asyncio as rq
 from redisq.group import GroupMembership
+from redisq.protocol import group as calls
 from redisq.records import Message
 from tests.aio import aio
 from tests.aio import wait_until as async_wait_until
@@ -452,28 +453,35 @@ def test_a_late_copy_of_a_released_grants_request_is_refused(broker: redisq.Brok
     assert nxt is not None and nxt.takeovers == 0  # the release took r1's count back once
 
 
+def t1_acquires_time_out(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """t/1 (added, held by a foreign lease) cannot be acquired by z-consumer: every attempt
+    times out (white-box: the call raises before it is sent, for both drivers)."""
+    setup.direct.add_partitions("t", 2)
+    setup.client.set(setup.direct.keys.lease("t", 1, "g"), "1:someone-else:0", px=600_000)
+    build = calls.acquire_lease
+
+    def failing(keys: Any, ref: Any, partition: int, member: str, *args: Any) -> Any:
+        if partition == 1 and member == "z-consumer":
+            raise redis.TimeoutError("t/1 times out (the test)")
+        return build(keys, ref, partition, member, *args)
+
+    monkeypatch.setattr(calls, "acquire_lease", failing)
+
+
+FAILING = {**QUIET, "heartbeat_interval_ms": 100}
+
+
 def test_a_failing_acquire_does_not_hold_up_a_give_up(
     setup: Setup, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """t/0's grant is lost and t/0 moves to another member while every acquire of t/1 times
     out: the give-up of t/0 still goes, and the other member gets t/0 at once (before, the
     acquire's error ended the tick before any give-up was sent)."""
-    setup.direct.add_partitions("t", 2)
-    t1 = setup.direct.keys.lease("t", 1, "g")
-    setup.client.set(t1, "1:someone-else:0", px=600_000)
-    acquire = GroupMembership.acquire_lease
-
-    def failing(membership: GroupMembership, partition: int, *args: Any, **kw: Any) -> Any:
-        if partition == 1 and membership.member == "z-consumer":
-            raise redis.TimeoutError("t/1 times out (the test)")
-        return acquire(membership, partition, *args, **kw)
-
-    options = {**QUIET, "heartbeat_interval_ms": 100}
+    t1_acquires_time_out(setup, monkeypatch)
     with redisq.connect(setup.proxy.url, namespace=namespace) as via:
-        consumer = via.consumer("t", "g", "z-consumer", **options)  # type: ignore[arg-type]
+        consumer = via.consumer("t", "g", "z-consumer", **FAILING)  # type: ignore[arg-type]
         setup.hold_next_acquire()
         wait_until(setup.acquire_held, what="the consumer's acquire of t/0 held")
-        monkeypatch.setattr(GroupMembership, "acquire_lease", failing)
         other = member(setup.direct, "a-other")  # sorts first: t/0 is its share
         other.heartbeat()
         setup.lose_the_answer()
@@ -481,6 +489,28 @@ def test_a_failing_acquire_does_not_hold_up_a_give_up(
                    what="t/0's lost grant released")  # fmt: skip
         assert other.acquire_lease(0, "o1") is not None
         consumer.close()
+
+
+@aio
+async def test_asyncio_a_failing_acquire_does_not_hold_up_a_give_up(
+    setup: Setup, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t1_acquires_time_out(setup, monkeypatch)
+    broker = await rq.connect(setup.proxy.url, namespace=namespace)
+    consumer = broker.consumer("t", "g", "z-consumer", **FAILING)  # type: ignore[arg-type]
+    try:
+        await consumer.poll(0.05)
+        setup.hold_next_acquire()
+        await async_wait_until(setup.acquire_held, what="the consumer's acquire of t/0 held")
+        other = member(setup.direct, "a-other")
+        other.heartbeat()
+        setup.lose_the_answer()
+        await async_wait_until(lambda: setup.client.get(setup.lease) is None,
+                               timeout=RECOVERED_S, what="t/0's lost grant released")  # fmt: skip
+        assert other.acquire_lease(0, "o1") is not None
+    finally:
+        await consumer.close()
+        await broker.close()
 
 
 @aio

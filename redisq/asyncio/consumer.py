@@ -209,6 +209,7 @@ class Consumer(Coordinator):
         for tp in list(self._readers) + list(self.ownership.owned):
             await self._finish(tp)
         if self._coordinator is not None:
+            self._halted = True  # see __init__: ends the loop should the cancel be swallowed
             self._coordinator.cancel()
             await asyncio.gather(self._coordinator, return_exceptions=True)
         # What the coordinator took up while the partitions above were finished (an acquire

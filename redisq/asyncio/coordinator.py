@@ -98,6 +98,10 @@ class Coordinator:
         self._closed = False
         self._started = False
         self._coordinator: asyncio.Task[None] | None = None
+        # Set by close() before it cancels the coordinator task: a cancel can be swallowed on
+        # its way (a timeout inside redis-py's read turning it into TimeoutError, which the
+        # loop logs and survives), so the loop also ends on this flag at its next tick.
+        self._halted = False
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
         # Consumers deliver their topics' delayed messages (redisq.scheduler) while the
@@ -165,7 +169,7 @@ class Coordinator:
     async def _coordinate(self) -> None:
         self._scheduler.start()
         try:
-            while True:
+            while not self._halted:
                 try:
                     await self._coordinate_once(time.monotonic())
                 except asyncio.CancelledError:
