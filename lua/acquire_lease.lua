@@ -84,15 +84,8 @@ if ARGV[6] == 'give_up' then
         redis.call('DEL', KEYS[1])
         released = 1
       end
-      if redis.call('EXISTS', KEYS[3]) == 1 then  -- as release_lease.lua does for an untried grant
-        local position = group_position()
-        if redis.call('HGET', KEYS[4], 'takeover_position') == position then
-          if tonumber(redis.call('HGET', KEYS[4], 'takeovers') or '0') > 0 then
-            redis.call('HINCRBY', KEYS[4], 'takeovers', -1)
-          else
-            redis.call('HDEL', KEYS[4], 'takeover_position', 'takeovers')
-          end
-        end
+      if redis.call('EXISTS', KEYS[3]) == 1 then
+        untried_grant(KEYS[4], (group_position()))
       end
     end
     redis.call('HDEL', KEYS[4], 'grant_request', 'grant_lease')

@@ -25,12 +25,8 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
       redis.call('HDEL', KEYS[2], 'grant_request', 'grant_lease')
       give_up_request(KEYS[2], grant[1])
     end
-    if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], 'takeover_position') == ARGV[2] then
-      if tonumber(redis.call('HGET', KEYS[2], 'takeovers') or '0') > 0 then
-        redis.call('HINCRBY', KEYS[2], 'takeovers', -1)
-      else  -- the first grant at this position: the next one starts counting afresh
-        redis.call('HDEL', KEYS[2], 'takeover_position', 'takeovers')
-      end
+    if ARGV[2] ~= '' then
+      untried_grant(KEYS[2], ARGV[2])
     end
   end
   return 1

@@ -60,3 +60,17 @@ local function give_up_request(state, request)
   ids[#ids + 1] = request
   redis.call('HSET', state, 'given_up', table.concat(ids, ' ', math.max(1, #ids - GIVEN_UP_KEPT + 1)))
 end
+
+-- untried_grant(state, position): take back the takeover count of a grant made at `position`
+-- that gave out no message (a hand-over, close or give-up before its first read): a rebalance
+-- is not an attempt. Nothing to take back if the count is at another position by now; at 0,
+-- the grant was the first at its position and the next one starts counting afresh.
+local function untried_grant(state, position)
+  if redis.call('HGET', state, 'takeover_position') == position then
+    if tonumber(redis.call('HGET', state, 'takeovers') or '0') > 0 then
+      redis.call('HINCRBY', state, 'takeovers', -1)
+    else
+      redis.call('HDEL', state, 'takeover_position', 'takeovers')
+    end
+  end
+end
