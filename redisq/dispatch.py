@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
-from redisq.errors import LeaseLost
+from redisq.errors import InvalidConfig, LeaseLost
 from redisq.protocol.group import Commit, Grant, Lease
 from redisq.protocol.transactions import InputPosition
 from redisq.records import MalformedMessage, Message, decode_entries, offset_before, offset_parts
@@ -67,6 +67,7 @@ class OrderlyPartition:
         self.transaction: str | None = None
         self.tx_position: str | None = None
         self.tx_count = 0
+        self.tx_acked: set[str] = set()  # offsets the open transaction acked
 
     # -- reading ---------------------------------------------------------------------------------
     def next_range(self) -> tuple[str, bool]:
@@ -340,14 +341,38 @@ class OrderlyPartition:
             self.uncommitted_since = now
 
     # -- transactions ----------------------------------------------------------------------------
-    def transactional_ack(
-        self, tx_id: str, offsets: Iterable[str], now: float
-    ) -> tuple[str, int | None] | None:
-        """The caller acked these within transaction tx_id: the position moves over them as for
-        ack(), but belongs to the transaction; (position, entries_read) it would commit."""
+    def check_transactional_ack(self, tx_id: str, offsets: list[str]) -> None:
+        """Before transaction tx_id acks `offsets` (nothing changed if it raises): each must be
+        a message this reader gave out and nobody acked, or one tx_id acked already. A message
+        polled under an earlier lease of the partition (lost, or handed over and taken again)
+        is not one: the group may have moved past it meanwhile, so the transaction could not
+        commit it once (LeaseLost). The first ack must take the first message given out, so the
+        transaction commits a position (InvalidConfig otherwise)."""
+        topic, partition = self.tp
         if self.transaction not in (None, tx_id):
-            raise ValueError(f"{self.tp[0]}/{self.tp[1]} is in transaction {self.transaction}")
+            raise ValueError(f"{topic}/{partition} is in transaction {self.transaction}")
+        mine = self.tx_acked if self.transaction == tx_id else ()
+        for offset in offsets:
+            if offset not in self.unacked and offset not in mine:
+                raise LeaseLost(
+                    f"{topic}/{partition}: message {offset} is not one this consumer holds "
+                    "unacked (polled under an earlier lease of the partition, or acked "
+                    "already): the transaction cannot commit it"
+                )
+        if self.tx_position is None and self.outstanding and self.outstanding[0] not in offsets:
+            raise InvalidConfig(
+                f"{topic}/{partition}: a transaction acks messages in order: ack "
+                f"{self.outstanding[0]}, the first message given out, with or before the others"
+            )
+
+    def transactional_ack(
+        self, tx_id: str, offsets: list[str], now: float
+    ) -> tuple[str, int | None] | None:
+        """The caller acked these within transaction tx_id (check_transactional_ack passed):
+        the position moves over them as for ack(), but belongs to the transaction; (position,
+        entries_read) it would commit."""
         self.ack(offsets, now)
+        self.tx_acked.update(offsets)
         if self.done is not None:
             self.transaction = tx_id
             self.tx_position = self.done
@@ -370,6 +395,7 @@ class OrderlyPartition:
             self.unacked.clear()
             self.done, self.done_count = None, 0
         self.transaction, self.tx_position, self.tx_count = None, None, 0
+        self.tx_acked.clear()
 
     # -- committing ------------------------------------------------------------------------------
     def commit_due(self, now: float, interval_s: float) -> bool:
@@ -540,12 +566,17 @@ def transaction_inputs(
 ) -> list[tuple[Lease, InputPosition]]:
     """tx.ack (both consumer drivers): the input positions transaction tx_id would commit,
     with the leases it must still hold then; LeaseLost for a partition no longer held."""
-    inputs = []
-    for tp, batch in messages_by_partition([messages]).items():
+    acks = []
+    for tp, batch in messages_by_partition([messages]).items():  # all checked, then acked
         reader = readers.get(tp)
         if reader is None or lost(tp):
             raise LeaseLost(f"{tp[0]}/{tp[1]} is no longer held by this consumer")
-        moved = reader.transactional_ack(tx_id, [m.offset for m in batch], now)
+        offsets = [m.offset for m in batch]
+        reader.check_transactional_ack(tx_id, offsets)
+        acks.append((tp, reader, offsets))
+    inputs = []
+    for tp, reader, offsets in acks:
+        moved = reader.transactional_ack(tx_id, offsets, now)
         if moved is not None:
             inputs.append((reader.lease, InputPosition(group, tp[0], tp[1], *moved)))
     return inputs

@@ -141,7 +141,7 @@ class Transaction:
     ) -> None:
         """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
         core = self._core
-        core.check_open()
+        core.check_adding()
         config = core.configs.get(topic) or self._producer._topic_config(topic)
         encoded = self._producer._encoder.encode(
             config, value, key, headers, message_id, partition, timestamp_ms
@@ -154,7 +154,7 @@ class Transaction:
         """Commit these input messages' positions with the transaction (consume-transform-
         produce): only if it commits, and only while `consumer` still holds their partitions;
         an aborted transaction makes the consumer read them again."""
-        self._core.check_open()
+        self._core.check_adding()
         self._core.ack(consumer, messages)
 
     def commit(self) -> tuple[RecordMetadata, ...]:
@@ -162,8 +162,9 @@ class Transaction:
         (its timeout passed, a newer instance started, an input partition moved)."""
         core = self._core
         core.check_open()
+        core.committing = True
         with ends_on_refusal(self):
-            self._stage()
+            self._stage(final=True)  # registers even an empty one: the epoch is checked
             keys, writer, staged, inputs = (
                 self._tx.keys,
                 self._writer,
@@ -196,9 +197,9 @@ class Transaction:
             )
         abort_found(self, state, results)
 
-    def _stage(self) -> None:
+    def _stage(self, final: bool = False) -> None:
         new, first, register = self._core.unstaged()
-        if new:
+        if new or (register and final):
             keys, tx_id, writer = self._tx.keys, self.transaction_id, self._writer
             self._tx.run(lambda: ops.stage(keys, tx_id, writer, new, first, register=register))
             self._core.staged(len(new))

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redisq.errors import ProducerFenced, TransactionAborted, TransactionDecided
+from redisq.errors import InvalidConfig, ProducerFenced, TransactionAborted, TransactionDecided
 from redisq.msgid import encode_ulid
 from redisq.protocol.group import Lease
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -30,7 +30,7 @@ class TxConsumer(Protocol):
         self, messages: Message | Iterable[Message], tx_id: str
     ) -> list[tuple[Lease, InputPosition]]: ...
 
-    def _transaction_ended(self, position: InputPosition, committed: bool) -> None: ...
+    def _transaction_ended(self, tx_id: str, position: InputPosition, committed: bool) -> None: ...
 
 
 class TxState(enum.StrEnum):
@@ -206,12 +206,24 @@ class TransactionCore:
         self.configs: dict[str, TopicConfig] = {}
         self.written = 0  # batches staged in Redis
         self.registered = False
+        # commit() was called: what it decides is the transaction (a decision stored before
+        # an error); only commit() again or abort() may follow
+        self.committing = False
         self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
         self._stats = stats
 
     def check_open(self) -> None:
         if self.state != "open":
             raise TransactionAborted(f"transaction {self.transaction_id} is {self.state}")
+
+    def check_adding(self) -> None:
+        """Before send() or ack(): the transaction is open and commit() was not called."""
+        self.check_open()
+        if self.committing:
+            raise InvalidConfig(
+                f"transaction {self.transaction_id}: commit() did not finish; call commit() "
+                "again to complete it, or abort(): nothing may be added once it was called"
+            )
 
     def add(self, config: TopicConfig, encoded: Any) -> bool:
         """An encoded message (sending.Encoded) joins its partition's batch; True when a batch
@@ -253,7 +265,7 @@ class TransactionCore:
         else:
             self._stats.transactions_aborted += 1
         for consumer, _, position in self._inputs.values():
-            consumer._transaction_ended(position, committed)
+            consumer._transaction_ended(self.transaction_id, position, committed)
 
 
 def half_result(

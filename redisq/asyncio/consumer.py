@@ -248,9 +248,9 @@ class Consumer(Coordinator):
             self._readers, lost, self.group, messages, tx_id, time.monotonic()
         )
 
-    def _transaction_ended(self, position: InputPosition, committed: bool) -> None:
+    def _transaction_ended(self, tx_id: str, position: InputPosition, committed: bool) -> None:
         reader = self._readers.get((position.topic, position.partition))
-        if reader is not None and reader.transaction is not None:
+        if reader is not None and reader.transaction == tx_id:
             reader.transaction_ended(position.position, position.entries_read, committed)
 
     # -- the coordinator task --------------------------------------------------------------------

@@ -130,7 +130,7 @@ class Transaction:
     ) -> None:
         """Add a message (checked now: TypeError, MessageTooLarge, TopicNotFound...)."""
         core = self._core
-        core.check_open()
+        core.check_adding()
         config = core.configs.get(topic) or await self._producer._topic_config(topic)
         encoded = self._producer._encoder.encode(
             config, value, key, headers, message_id, partition, timestamp_ms
@@ -142,14 +142,15 @@ class Transaction:
     async def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         """Commit these input messages' positions with the transaction (see
         redisq.Transaction.ack)."""
-        self._core.check_open()
+        self._core.check_adding()
         self._core.ack(consumer, messages)
 
     async def commit(self) -> tuple[RecordMetadata, ...]:
         core = self._core
         core.check_open()
+        core.committing = True
         with ends_on_refusal(self):
-            await self._stage()
+            await self._stage(final=True)  # registers even an empty one: the epoch is checked
             keys, tx_id, writer = self._tx.keys, core.transaction_id, await self._writer_now()
             staged, inputs = core.staging.staged, core.inputs()
             results = await self._tx.run(
@@ -172,9 +173,9 @@ class Transaction:
             )
         abort_found(self, state, results)
 
-    async def _stage(self) -> None:
+    async def _stage(self, final: bool = False) -> None:
         new, first, register = self._core.unstaged()
-        if new:
+        if new or (register and final):
             keys, tx_id, writer = self._tx.keys, self.transaction_id, await self._writer_now()
             await self._tx.run(
                 lambda: ops.stage(keys, tx_id, writer, new, first, register=register)

@@ -1,0 +1,203 @@
+"""Transaction gaps found by an adversarial test (both APIs, tests/txhelp.py drivers):
+
+- tx.ack of messages polled under an earlier lease of the partition (it moved to another member
+  and came back) is refused (LeaseLost) instead of being dropped without a word, which let the
+  transaction commit its output without the input position: every input handled twice;
+- a fenced (zombie) instance of a named producer cannot commit a transaction that only acks,
+  nor an empty one (ProducerFenced): the zombie's acks would have moved the group's position;
+- once commit() was called, nothing more can be sent or acked in the transaction (a decision
+  stored before the error is what the transaction is): a send after a commit whose reply was
+  lost was refused by Redis and reported as an abort of a committed transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import redisq
+from tests.history.proxy import Proxy
+from tests.servers import ServerProcess
+from tests.txhelp import DRIVERS, committed_positions, tx_state, values_of, wait_until
+
+CONSUMER = {"lease_ttl_ms": 1500, "ack_interval_ms": 50}
+
+
+@pytest.fixture(params=sorted(DRIVERS))
+def driver(request: pytest.FixtureRequest, broker: redisq.Broker, server_url: str) -> Iterator[Any]:
+    drv = DRIVERS[request.param](server_url, broker.namespace)
+    yield drv
+    drv.close()
+
+
+def three_inputs(broker: redisq.Broker) -> None:
+    broker.create_topic("in", partitions=1)
+    broker.create_topic("out", partitions=1)
+    with broker.producer() as producer:
+        for value in (b"a", b"b", b"c"):
+            producer.send("in", value, key="k")
+
+
+def test_tx_ack_of_messages_from_an_earlier_lease_is_refused(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """m1 polls a, b, c; the partition moves to m0, which transforms and commits them, then
+    leaves; the partition comes back to m1. m1's transaction of the messages it polled before
+    fails (LeaseLost at tx.ack, the transaction aborted) and writes nothing: each input is in
+    the output once."""
+    three_inputs(broker)
+    m1 = driver.consumer("in", "g", "m1", **CONSUMER)
+    producer1 = driver.producer("xf1", transactional=True)
+    polled = m1.poll(timeout=5, max_messages=10)
+    assert [m.value for m in polled] == [b"a", b"b", b"c"]
+
+    m0 = driver.consumer("in", "g", "m0", **CONSUMER)  # sorts first: the partition is its share
+    producer0 = driver.producer("xf0", transactional=True)
+    taken = wait_until(lambda: m0.poll(timeout=0.5, max_messages=10), 20, "m0 to take it")
+    with producer0.transaction() as tx0:
+        for m in taken:
+            tx0.send("out", b"m0:" + m.value, key=m.key)
+        tx0.ack(m0, taken)
+    m0.close()
+    wait_until(lambda: m1.assignment == [0], 20, "the partition back with m1")
+
+    with pytest.raises(redisq.LeaseLost):
+        with producer1.transaction() as tx1:
+            for m in polled:
+                tx1.send("out", b"m1:" + m.value, key=m.key)
+            tx1.ack(m1, polled)
+    assert tx1.state == "aborted"
+    assert values_of(broker, "out") == [b"m0:a", b"m0:b", b"m0:c"]
+    assert m1.poll(timeout=0.5) == []  # nothing is read again: m0 committed all three
+    for closing in (m1, producer0, producer1):
+        closing.close()
+
+
+def test_tx_ack_must_start_with_the_first_message_given(broker: redisq.Broker, driver: Any) -> None:
+    """A transaction that acks b and c but not a, the first message polled, would commit no
+    position for them, and an abort would not hand them out again: refused before anything
+    changes (InvalidConfig); acking a with them goes through."""
+    three_inputs(broker)
+    consumer = driver.consumer("in", "g", "m1", **CONSUMER)
+    producer = driver.producer("xf", transactional=True)
+    polled = consumer.poll(timeout=5, max_messages=10)
+    with producer.transaction() as tx:
+        with pytest.raises(redisq.InvalidConfig, match="in order"):
+            tx.ack(consumer, polled[1:])
+        tx.ack(consumer, polled)
+        tx.send("out", b"abc")
+    assert committed_positions(broker, "in", "g") == {0: polled[-1].offset}
+    consumer.close()
+    producer.close()
+
+
+@pytest.mark.parametrize("what", ["acks only", "empty"])
+def test_zombie_cannot_commit_a_transaction_without_sends(
+    broker: redisq.Broker, driver: Any, what: str
+) -> None:
+    """Instance B of "x" started: A's transaction that only acks inputs (or does nothing) is
+    refused (ProducerFenced) and the group's position does not move."""
+    three_inputs(broker)
+    consumer = driver.consumer("in", "g", "m1", **CONSUMER)
+    a = driver.producer("x", transactional=True)
+    with a.transaction() as first:
+        first.send("out", b"before")
+    b = driver.producer("x", transactional=True)
+    polled = consumer.poll(timeout=5, max_messages=10)
+    assert polled
+    with pytest.raises(redisq.ProducerFenced):
+        with a.transaction() as tx:
+            if what == "acks only":
+                tx.ack(consumer, polled)
+    assert tx.state == "aborted"
+    assert committed_positions(broker, "in", "g").get(0) in (None, "0-0")
+    assert values_of(broker, "out") == [b"before"]
+    with b.transaction() as tx_b:  # the new instance is not held up
+        tx_b.ack(consumer, consumer.poll(timeout=2, max_messages=10) or polled)
+    consumer.close()
+    b.close()
+    try:
+        a.close()
+    except redisq.RedisqError:
+        pass
+
+
+@pytest.mark.parametrize("api", sorted(DRIVERS))
+def test_nothing_is_added_after_a_commit_whose_answer_was_lost(
+    proxied: tuple[ServerProcess, Proxy], api: str
+) -> None:
+    """commit()'s decision lands, its answer is lost and the network stays down past
+    delivery_timeout_ms: commit() raises, the transaction is open in the client. A send (or
+    ack) then is refused (InvalidConfig) and changes nothing; commit() again completes the
+    transaction as it was decided: its messages once, the input position with them."""
+    server, proxy = proxied
+    namespace = f"txi{time.monotonic_ns() % 10**9}"
+    direct = redisq.connect(server.url, namespace=namespace)
+    via_direct = DRIVERS[api](server.url, namespace)
+    via_proxy = DRIVERS[api](proxy.url, namespace)
+    consumer = producer = None
+    try:
+        direct.create_topic("in", partitions=1)
+        direct.create_topic("out", partitions=1)
+        with direct.producer() as plain:
+            for value in (b"a", b"b"):
+                plain.send("in", value, key="k")
+        consumer = via_direct.consumer("in", "g", "m1", lease_ttl_ms=5000, ack_interval_ms=50)
+        producer = via_proxy.producer("xf", transactional=True, delivery_timeout_ms=1500)
+        polled = consumer.poll(timeout=5, max_messages=10)
+        assert [m.value for m in polled] == [b"a", b"b"]
+        tx = producer.transaction()
+        for m in polled:
+            tx.send("out", b"out:" + m.value, key=m.key)
+        tx.ack(consumer, polled)
+
+        direct.scripts.load_all()  # the held call must run, not meet NOSCRIPT
+        decide = direct.scripts["tx_decide"].sha.encode()
+        proxy.trap(decide)
+        errors: list[BaseException] = []
+
+        def commit() -> None:
+            try:
+                tx.commit()
+            except BaseException as exc:  # noqa: BLE001 - looked at below
+                errors.append(exc)
+
+        committing = threading.Thread(target=commit)
+        committing.start()
+        wait_until(lambda: proxy.holds_for_server(decide), 10, "the decision held")
+        proxy.lose_answers(decide)
+        proxy.wait_released(5)
+        proxy.blackhole()
+        while committing.is_alive():  # the network stays down: every connection reset
+            proxy.reset_all()
+            committing.join(0.05)
+        assert len(errors) == 1 and isinstance(errors[0], redisq.RedisqError), errors
+        assert tx.state == "open" and tx_state(direct, tx.transaction_id) == "committed"
+
+        proxy.pass_through()
+        with pytest.raises(redisq.InvalidConfig, match="commit"):
+            tx.send("out", b"extra")
+        with pytest.raises(redisq.InvalidConfig, match="commit"):
+            tx.ack(consumer, polled)
+        records = tx.commit()
+        assert tx.state == "committed" and len(records) == 2
+        assert values_of(direct, "out") == [b"out:a", b"out:b"]
+        wait_until(
+            lambda: committed_positions(direct, "in", "g").get(0) == polled[-1].offset,
+            10, "the input position committed",
+        )  # fmt: skip
+        assert consumer.poll(timeout=0.5) == []  # the inputs are not read again
+    finally:
+        for closing in (consumer, producer):
+            if closing is not None:
+                try:
+                    closing.close()
+                except redisq.RedisqError:
+                    pass
+        via_proxy.close()
+        via_direct.close()
+        direct.close()
