@@ -309,10 +309,13 @@ class DelayedCore:
                 head.error = self._timeout(head, head.last_error)
                 self._done(head)
 
-    def fail_all(self, error: BaseException) -> None:
-        """Close without sending what is queued (its callers learn it)."""
+    def fail_all(self, error: BaseException, in_flight: bool = False) -> None:
+        """Close without sending what is queued (its callers learn it); with in_flight, the
+        sender has stopped: the batches it had sent and not heard back of fail too (stored
+        or not, unknown)."""
         for key, queue in list(self._queues.items()):
-            for batch in [b for b in queue if key not in self._in_flight or b is not queue[0]]:
+            sending = key in self._in_flight and not in_flight
+            for batch in [b for b in queue if not sending or b is not queue[0]]:
                 batch.error = error
                 self._done(batch)
 

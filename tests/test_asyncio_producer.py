@@ -582,6 +582,47 @@ def connection_losses(caplog: pytest.LogCaptureFixture) -> int:
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize("delay_ms", [None, 60_000], ids=["plain", "delayed"])
+def test_close_on_a_silent_server_settles_every_future(
+    delay_ms: int | None, fault_namespace: str
+) -> None:
+    """The server SIGSTOPped while a send is on its way: close(timeout=0.5) returns (its
+    flush gives up with TimeoutError; the sender gets 5 s, then is stopped) and the send's
+    future fails with ProducerClosed (its batch may or may not be stored) instead of staying
+    pending for ever; a delayed send too."""
+    server = ServerProcess(binary_for("redis")).start()
+    stopped = False
+
+    async def scenario() -> None:
+        nonlocal stopped
+        broker = await rq.connect(server.url, namespace=fault_namespace)
+        try:
+            await broker.create_topic(TOPIC, partitions=1)
+            producer = broker.producer(delivery_timeout_ms=60_000)
+            await producer.send(TOPIC, b"warm-up", delay_ms=delay_ms)
+            os.kill(server.pid, signal.SIGSTOP)
+            stopped = True
+            future = producer.send_async(TOPIC, b"x", delay_ms=delay_ms)
+            await asyncio.sleep(0.2)  # linger is over: the batch is sent, no answer comes
+            with pytest.raises(TimeoutError, match="unacknowledged"):  # the flush gave up
+                await asyncio.wait_for(producer.close(timeout=0.5), 30)  # it returns
+            assert future.done(), "a send's future left pending after close()"
+            assert isinstance(future.exception(), redisq.ProducerClosed)
+        finally:
+            if stopped:
+                os.kill(server.pid, signal.SIGCONT)
+                stopped = False
+            await broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        if stopped:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
+@pytest.mark.fault
 @pytest.mark.parametrize("kind", ["valkey", "redis"])
 @pytest.mark.parametrize("stale_metadata", [False, True], ids=["fresh-metadata", "stale-metadata"])
 def test_delivery_timeout_while_the_server_is_stopped(

@@ -8,7 +8,7 @@ automatic retries off (redisq retries itself, with the recovery each call needs)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -189,3 +189,19 @@ async def run_operation(operation: Any, scripts: AsyncScripts) -> Any:
                 steps = operation.send(result)
     except StopIteration as done:
         return done.value
+
+
+async def stop_task(task: asyncio.Task[Any], grace_s: float, halt: Callable[[], None]) -> bool:
+    """Stop a background task that close() has told to finish: it gets grace_s to end on its
+    own; then halt() (which sets the flag its loop checks) and cancellations, again until it
+    has ended. One cancellation is not enough: on Python 3.11 a wait_for() inside redis-py
+    (or in the task) whose inner call has just completed returns its result and drops the
+    cancel. Returns True if the task ended on its own."""
+    done, _ = await asyncio.wait({task}, timeout=grace_s)
+    if done:
+        return True
+    halt()
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1)
+    return False

@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 
+from redisq.asyncio.client import stop_task
 from redisq.dispatch import (
     OrderlyPartition,
     messages_by_partition,
@@ -204,14 +205,14 @@ class Consumer(Coordinator):
         self._closed = True
         self._stopping.set()
         self.ownership.stopping = True
-        if self._workers:
-            await asyncio.gather(*self._workers.values(), return_exceptions=True)
-        for tp in list(self._readers) + list(self.ownership.owned):
-            await self._finish(tp)
-        if self._coordinator is not None:
-            self._halted = True  # see __init__: ends the loop should the cancel be swallowed
-            self._coordinator.cancel()
-            await asyncio.gather(self._coordinator, return_exceptions=True)
+        try:
+            if self._workers:
+                await asyncio.gather(*self._workers.values(), return_exceptions=True)
+            for tp in list(self._readers) + list(self.ownership.owned):
+                await self._finish(tp)
+        finally:  # also when close() itself is cancelled: the coordinator does not outlive it
+            if self._coordinator is not None:
+                await stop_task(self._coordinator, 0, self._halt)
         # What the coordinator took up while the partitions above were finished (an acquire
         # answered meanwhile), and acquires it had no answer to.
         for tp in list(self.ownership.owned):

@@ -98,9 +98,8 @@ class Coordinator:
         self._closed = False
         self._started = False
         self._coordinator: asyncio.Task[None] | None = None
-        # Set by close() before it cancels the coordinator task: a cancel can be swallowed on
-        # its way (a timeout inside redis-py's read turning it into TimeoutError, which the
-        # loop logs and survives), so the loop also ends on this flag at its next tick.
+        # Set by close() before it cancels the coordinator task: a cancel can be lost on its
+        # way (client.stop_task), so the loop also ends on this flag at its next tick.
         self._halted = False
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
@@ -118,6 +117,8 @@ class Coordinator:
         for topic in self.topics:
             await self._join(topic)
         await self._refresh_metadata()
+        if self._closed:  # close() came while it started: it leaves nothing running
+            return
         self._coordinator = asyncio.ensure_future(self._coordinate())
         metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
 
@@ -165,6 +166,9 @@ class Coordinator:
                             self.broker.keys, self._ref(topic), p, self._start_ids[topic]
                         )
                     )
+
+    def _halt(self) -> None:
+        self._halted = True
 
     async def _coordinate(self) -> None:
         self._scheduler.start()

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from redisq import errors
+from redisq.asyncio.client import stop_task
 from redisq.asyncio.scheduler import Scheduler
 from redisq.delayed import (
     DelayedBatch,
@@ -71,6 +72,7 @@ class DelayedSender:
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._closing = False
+        self._halted = False  # close(): the sender stops at once (see client.stop_task)
 
     def send_async(self, *args: Any) -> asyncio.Future[RecordMetadata]:
         """Queue a delayed message (see the module doc); its future."""
@@ -192,12 +194,18 @@ class DelayedSender:
             self._signal_finished()
             self._wake.set()
             if self._sender is not None:
-                try:
-                    await asyncio.wait_for(self._sender, 5)
-                except (TimeoutError, Exception) as exc:  # pragma: no cover
-                    log.warning("delayed sender did not stop cleanly: %r", exc)
+                if not await stop_task(self._sender, 5, self._halt):
+                    log.warning("the delayed sender did not stop within 5 s of close(): stopped")
+                self._core.fail_all(
+                    ProducerClosed("closed before the batch was acknowledged: it may or may "
+                                   "not be stored"), in_flight=True,
+                )  # fmt: skip
+                self._signal_finished()
             if self._scheduler is not None:
                 await self._scheduler.close()
+
+    def _halt(self) -> None:
+        self._halted = True
 
     def _signal_finished(self) -> None:
         finished, self._core.finished = self._core.finished, []
@@ -216,7 +224,7 @@ class DelayedSender:
 
     async def _run(self) -> None:
         core, keys = self._core, self._broker.keys
-        while True:
+        while not self._halted:
             now = time.monotonic()
             core.expire(now)
             batches = core.pick(now)

@@ -28,6 +28,7 @@ import redis
 from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
+from redisq.asyncio.client import stop_task
 from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
@@ -108,6 +109,7 @@ class Producer:
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._closed = False
+        self._halted = False  # close(): the sender stops at once (see client.stop_task)
         self._delayed = DelayedSender(  # send(..., delay_ms=...): redisq.delayed
             broker, settings, self._encoder, self._topic_config, self._topics,
             lambda: self.identity, self._core.stats,
@@ -412,12 +414,21 @@ class Producer:
             self._core.closing = True
             self._wake.set()
             if self._sender is not None:
-                try:
-                    await asyncio.wait_for(self._sender, 5)
-                except (TimeoutError, Exception) as exc:  # pragma: no cover
-                    log.warning("sender did not stop cleanly: %r", exc)
+                if not await stop_task(self._sender, 5, self._halt):
+                    log.warning("the sender did not stop within 5 s of close(): stopped")
+                if not self._sender.cancelled() and self._sender.exception() is not None:
+                    log.warning("the sender failed: %r", self._sender.exception())
+                # What it had sent and not heard back of is failed now, not left pending: it
+                # may or may not be stored (as after a delivery timeout).
+                self._core.fail_all(
+                    ProducerClosed("closed before the batch was acknowledged: it may or may "
+                                   "not be stored"), fatal=True,
+                )  # fmt: skip
             await self._delayed.close(timeout)
             self._closed = True
+
+    def _halt(self) -> None:
+        self._halted = True
 
     def _on_finished(self, batch: Batch) -> None:
         _finished(batch)
@@ -433,7 +444,7 @@ class Producer:
         outstanding: deque[Round] = deque()
         backoff = settings.retry_backoff_ms / 1000
         try:
-            while True:
+            while not self._halted:
                 if core.fatal is not None:
                     self._progress.set()
                     return
