@@ -23,6 +23,7 @@ import redis
 
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
+from redisq.asyncio.client import stop_task
 from redisq.asyncio.handle import AsyncBrokerHandle
 from redisq.errors import InvalidConfig, RedisqError
 from redisq.protocol import Operation
@@ -298,9 +299,7 @@ class Transactions:
         task, self._task = self._task, None
         if task is None:
             return
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=1)
+        await stop_task(task, 0, lambda: None)  # its loop checks _closed
         if not task.cancelled() and task.exception() is not None:
             log.warning("transactions: the background task failed: %r", task.exception())
 
