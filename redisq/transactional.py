@@ -80,6 +80,13 @@ def background_tick_s(check_interval_ms: int) -> float:
     return min(1.0, max(0.05, check_interval_ms / 4000))
 
 
+def background_lease_ms(tick_s: float) -> int:
+    """The time to live of the background duties' leases (sweeper, checker): four rounds, 5 s at
+    least. The checker renews its lease before each check() call; one slower than this lets
+    another member check the same transaction meanwhile (its answer then counts nothing)."""
+    return max(5_000, int(tick_s * 4000))
+
+
 class Transaction:
     """One transaction of a transactional producer (Kafka style). Use it as a context manager:
     it commits on a clean exit and aborts when the block raises.
@@ -324,7 +331,7 @@ class Transactions:
 
     def _background(self) -> None:
         tick = background_tick_s(self.settings.check_interval_ms)
-        ttl = max(5_000, int(tick * 4000))
+        ttl = background_lease_ms(tick)
         while not self._stop.wait(tick):
             if self.producer._core.fatal is not None:
                 return  # fenced: a newer instance does this now
@@ -344,11 +351,14 @@ class Transactions:
         group, check = self.settings.transactional_group, self.settings.check
         if group is None or check is None:
             return
-        if not run_operation(
-            ops.take_lease(keys.transaction_checker(group), token, ttl_ms), self._execute
-        ):
+        lease = keys.transaction_checker(group)
+        if not run_operation(ops.take_lease(lease, token, ttl_ms), self._execute):
             return
         for due in run_operation(ops.due_checks(keys, group), self._execute):
+            # Renewed before each check() (a round asks about up to 100 transactions); lost
+            # meanwhile: another member checks now, and this round ends here.
+            if not run_operation(ops.take_lease(lease, token, ttl_ms), self._execute):
+                return
             try:
                 answer = as_state(check(due.record.tx_id, due.messages), "check")
             except Exception:

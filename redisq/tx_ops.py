@@ -378,12 +378,18 @@ def answer_check(
     max_checks unknown answers the transaction is unresolved and its messages move to the
     group's unresolved topic. Returns the state now."""
     if answer is TxState.UNKNOWN:
+        # Counted once per round: a second checker that asked about the same round (the first
+        # one's lease expired during a slow check) finds it taken and rescheduled, and counts
+        # nothing; otherwise two answers of one round would give up after too few rounds.
+        claimed = yield tx.claim_check(keys, record.group or "", record.tx_id, interval_ms)
+        if not claimed:
+            log.info(
+                "transaction %s: check-back answer not counted: its round was answered already",
+                record.tx_id,
+            )
+            return "open"
         checks = yield tx.count_check(keys, record.tx_id)
         if checks < max_checks:
-            now = yield Command(("TIME",), server_ms)
-            yield tx.reschedule(
-                keys.transaction_group(record.group or ""), record.tx_id, now + interval_ms
-            )
             return "open"
         decision = "unresolved"
     else:

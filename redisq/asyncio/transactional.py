@@ -32,7 +32,7 @@ from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
-from redisq.transactional import as_state, background_tick_s
+from redisq.transactional import as_state, background_lease_ms, background_tick_s
 from redisq.transactions import (
     TransactionCore,
     TransactionResult,
@@ -305,7 +305,7 @@ class Transactions:
 
     async def _background(self) -> None:
         tick = background_tick_s(self.settings.check_interval_ms)
-        ttl = max(5_000, int(tick * 4000))
+        ttl = background_lease_ms(tick)
         while not self._closed:
             await asyncio.sleep(tick)
             if self._closed or self.producer._core.fatal is not None:
@@ -322,9 +322,13 @@ class Transactions:
         group, check = self.settings.transactional_group, self.settings.check
         if group is None or check is None:
             return
-        if not await broker.run(ops.take_lease(keys.transaction_checker(group), token, ttl_ms)):
+        lease = keys.transaction_checker(group)
+        if not await broker.run(ops.take_lease(lease, token, ttl_ms)):
             return
         for due in await broker.run(ops.due_checks(keys, group)):
+            # Renewed before each check() (see redisq.transactional.Transactions.background_once).
+            if not await broker.run(ops.take_lease(lease, token, ttl_ms)):
+                return
             try:
                 answer = as_state(await _answer(check, due.record.tx_id, due.messages), "check")
             except Exception:

@@ -192,8 +192,21 @@ def reschedule(key: str, tx_id: str, at_ms: int) -> Command[Any]:
     return Command(("ZADD", key, "XX", at_ms, tx_id))
 
 
+def claim_check(keys: KeySpace, group: str, tx_id: str, interval_ms: int) -> ScriptCall[bool]:
+    """tx_claim_check.lua: an UNKNOWN answer takes the transaction's due check-back round and
+    reschedules it interval_ms from now; False: the round was not due (another checker's answer
+    took it, or the transaction is gone), so this answer must not be counted."""
+    return ScriptCall(
+        "tx_claim_check",
+        (keys.transaction_group(group),),
+        (tx_id, interval_ms),
+        lambda reply: bool(int(reply)),
+    )
+
+
 def count_check(keys: KeySpace, tx_id: str) -> Command[int]:
-    """One more check-back answered UNKNOWN (or failed); the number so far."""
+    """One more check-back answered UNKNOWN (or failed), after claim_check took its round; the
+    number so far."""
     return Command(("HINCRBY", keys.transaction(tx_id), "checks", 1), int)
 
 
