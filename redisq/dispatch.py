@@ -346,8 +346,9 @@ class OrderlyPartition:
         a message this reader gave out and nobody acked, or one tx_id acked already. A message
         polled under an earlier lease of the partition (lost, or handed over and taken again)
         is not one: the group may have moved past it meanwhile, so the transaction could not
-        commit it once (LeaseLost). The first ack must take the first message given out, so the
-        transaction commits a position (InvalidConfig otherwise)."""
+        commit it once (LeaseLost). The acks must leave no gap: with what the caller acked
+        before, they are a prefix of the messages given out, so the position the transaction
+        commits covers every message it acks (InvalidConfig otherwise)."""
         topic, partition = self.tp
         if self.transaction not in (None, tx_id):
             raise ValueError(f"{topic}/{partition} is in transaction {self.transaction}")
@@ -359,10 +360,17 @@ class OrderlyPartition:
                     "unacked (polled under an earlier lease of the partition, or acked "
                     "already): the transaction cannot commit it"
                 )
-        if self.tx_position is None and self.outstanding and self.outstanding[0] not in offsets:
+        acking = set(offsets) & self.unacked
+        for offset in self.outstanding:  # the position will move over these
+            if offset in acking:
+                acking.discard(offset)
+            elif offset in self.unacked:  # the first message not acked: a gap before the rest
+                break
+        if acking:
+            first_gap = next(o for o in self.outstanding if o in self.unacked and o not in offsets)
             raise InvalidConfig(
-                f"{topic}/{partition}: a transaction acks messages in order: ack "
-                f"{self.outstanding[0]}, the first message given out, with or before the others"
+                f"{topic}/{partition}: a transaction acks messages in order: ack {first_gap} "
+                "(given out before the others and not acked) with or before them"
             )
 
     def transactional_ack(

@@ -12,7 +12,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redisq.errors import InvalidConfig, ProducerFenced, TransactionAborted, TransactionDecided
+from redisq.errors import (
+    InvalidConfig,
+    LeaseLost,
+    ProducerFenced,
+    TransactionAborted,
+    TransactionDecided,
+)
 from redisq.msgid import encode_ulid
 from redisq.protocol.group import Lease
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -237,6 +243,14 @@ class TransactionCore:
     def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
         for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
             key = (position.group, position.topic, position.partition)
+            acked_before = self._inputs.get(key)
+            if acked_before is not None and acked_before[1] != lease:
+                # It acked under a lease since lost (the partition moved, maybe came back):
+                # that input is kept, so the commit's hold of its lease fails (it aborts).
+                raise LeaseLost(
+                    f"{position.topic}/{position.partition}: the transaction acked messages "
+                    "under an earlier lease of the partition: it cannot commit"
+                )
             self._inputs[key] = (consumer, lease, position)
 
     def unstaged(self) -> tuple[list[StagedBatch], int, bool]:

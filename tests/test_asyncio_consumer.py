@@ -240,6 +240,22 @@ async def test_close_ends_the_coordinator_when_its_cancel_is_swallowed(env: Env)
         assert description.members == [] and all(p.owner is None for p in description.partitions)
 
 
+@aio
+async def test_close_while_starting_leaves_nothing_behind(env: Env) -> None:
+    """close() while start() is still joining: start() then starts no coordinator and leaves
+    the group it joined after close(), so another member gets every partition at once (not
+    after session_timeout_ms)."""
+    async with env.connect() as broker:
+        await broker.create_topic("orders", partitions=2)
+        consumer = broker.consumer("orders", "g", "m1", session_timeout_ms=60_000, **FAST)
+        starting = asyncio.ensure_future(consumer.start())
+        await asyncio.sleep(0)  # start() is on its way (reading the topic's config)
+        await consumer.close()
+        await starting
+        assert consumer._coordinator is None
+        assert describe_group(env.sync, "orders", "g").members == []
+
+
 # -- poll / ack / commit -------------------------------------------------------------------------
 @aio
 async def test_poll_gates_a_partition_until_acked(env: Env) -> None:

@@ -608,6 +608,8 @@ def test_close_on_a_silent_server_settles_every_future(
                 await asyncio.wait_for(producer.close(timeout=0.5), 30)  # it returns
             assert future.done(), "a send's future left pending after close()"
             assert isinstance(future.exception(), redisq.ProducerClosed)
+            with pytest.raises(redisq.ProducerClosed, match="send after close"):
+                producer.send_async(TOPIC, b"y")
         finally:
             if stopped:
                 os.kill(server.pid, signal.SIGCONT)

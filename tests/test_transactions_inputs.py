@@ -77,22 +77,67 @@ def test_tx_ack_of_messages_from_an_earlier_lease_is_refused(
         closing.close()
 
 
-def test_tx_ack_must_start_with_the_first_message_given(broker: redisq.Broker, driver: Any) -> None:
-    """A transaction that acks b and c but not a, the first message polled, would commit no
-    position for them, and an abort would not hand them out again: refused before anything
-    changes (InvalidConfig); acking a with them goes through."""
+def test_tx_ack_leaves_no_gap(broker: redisq.Broker, driver: Any) -> None:
+    """Acks that skip a message (c without b, in one call or a later one; b and c without a)
+    would commit a position short of what the transaction acked, and the skipped message's
+    successors would be handled again: refused before anything changes (InvalidConfig); in
+    order they go through and the position covers them all."""
     three_inputs(broker)
     consumer = driver.consumer("in", "g", "m1", **CONSUMER)
     producer = driver.producer("xf", transactional=True)
-    polled = consumer.poll(timeout=5, max_messages=10)
+    a, b, c = consumer.poll(timeout=5, max_messages=10)
     with producer.transaction() as tx:
         with pytest.raises(redisq.InvalidConfig, match="in order"):
-            tx.ack(consumer, polled[1:])
-        tx.ack(consumer, polled)
+            tx.ack(consumer, [b, c])
+        with pytest.raises(redisq.InvalidConfig, match="in order"):
+            tx.ack(consumer, [a, c])
+        tx.ack(consumer, [a])
+        with pytest.raises(redisq.InvalidConfig, match="in order"):
+            tx.ack(consumer, [c])
+        tx.ack(consumer, [b, c])
         tx.send("out", b"abc")
-    assert committed_positions(broker, "in", "g") == {0: polled[-1].offset}
+    assert committed_positions(broker, "in", "g") == {0: c.offset}
+    assert consumer.poll(timeout=0.5) == []
     consumer.close()
     producer.close()
+
+
+def test_a_transaction_that_acked_under_a_lost_lease_cannot_commit(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """tx1 acks a, b, c under m1's lease; the partition moves to m0, which handles and commits
+    them, and comes back to m1, which polls a new message d: acking d in tx1 is refused
+    (LeaseLost) and tx1 commits nothing (before, it committed under the new lease: a, b, c
+    handled twice)."""
+    three_inputs(broker)
+    m1 = driver.consumer("in", "g", "m1", **CONSUMER)
+    producer1 = driver.producer("xf1", transactional=True)
+    polled = m1.poll(timeout=5, max_messages=10)
+    tx1 = producer1.transaction()
+    for m in polled:
+        tx1.send("out", b"m1:" + m.value, key=m.key)
+    tx1.ack(m1, polled)
+
+    m0 = driver.consumer("in", "g", "m0", **CONSUMER)
+    producer0 = driver.producer("xf0", transactional=True)
+    taken = wait_until(lambda: m0.poll(timeout=0.5, max_messages=10), 20, "m0 to take it")
+    with producer0.transaction() as tx0:
+        for m in taken:
+            tx0.send("out", b"m0:" + m.value, key=m.key)
+        tx0.ack(m0, taken)
+    m0.close()
+    wait_until(lambda: m1.assignment == [0], 20, "the partition back with m1")
+    with broker.producer() as plain:
+        plain.send("in", b"d", key="k")
+    d = wait_until(lambda: m1.poll(timeout=0.5, max_messages=10), 10, "m1 to poll d")
+    assert [m.value for m in d] == [b"d"]
+    with pytest.raises(redisq.LeaseLost, match="earlier lease"):
+        tx1.ack(m1, d)
+    with pytest.raises(redisq.TransactionAborted):
+        tx1.commit()
+    assert values_of(broker, "out") == [b"m0:a", b"m0:b", b"m0:c"]
+    for closing in (m1, producer0, producer1):
+        closing.close()
 
 
 @pytest.mark.parametrize("what", ["acks only", "empty"])

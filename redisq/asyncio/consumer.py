@@ -32,7 +32,6 @@ from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO
 from redisq.policies import DeadLetter
-from redisq.protocol import group as calls
 from redisq.protocol.group import Lease
 from redisq.protocol.transactions import InputPosition
 from redisq.records import MalformedMessage, Message, decode_entries
@@ -221,16 +220,7 @@ class Consumer(Coordinator):
             self.ownership.give_up(tp)
         for request, tp in list(self.ownership.giving_up.items()):
             await self._give_up(request, tp)
-        for topic in self._start_ids:
-            try:
-                await self.broker.scripts.run(
-                    calls.heartbeat(
-                        self.broker.keys, self._ref(topic), self.name,
-                        self.settings.session_ms, leave=True,
-                    )
-                )  # fmt: skip
-            except redis.RedisError as exc:
-                log.warning("%s: could not leave the group: %s", self.name, exc)
+        await self._leave_group()
         await self.io.close()
 
     # -- transactions (consume-transform-produce: Transaction.ack) --------------------------------

@@ -117,10 +117,24 @@ class Coordinator:
         for topic in self.topics:
             await self._join(topic)
         await self._refresh_metadata()
-        if self._closed:  # close() came while it started: it leaves nothing running
+        if self._closed:  # close() came while it started: nothing left running, nor joined
+            await self._leave_group()
             return
         self._coordinator = asyncio.ensure_future(self._coordinate())
         metrics.track(self)  # its counters in redisq.metrics.collect(), held weakly
+
+    async def _leave_group(self) -> None:
+        """Leave the group on every topic joined (the others get its partitions at once)."""
+        for topic in self._start_ids:
+            try:
+                await self.broker.scripts.run(
+                    calls.heartbeat(
+                        self.broker.keys, self._ref(topic), self.name,
+                        self.settings.session_ms, leave=True,
+                    )
+                )  # fmt: skip
+            except redis.RedisError as exc:
+                log.warning("%s: could not leave the group: %s", self.name, exc)
 
     def _ref(self, topic: str) -> GroupRef:
         return GroupRef(topic, self.group)

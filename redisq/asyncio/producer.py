@@ -171,6 +171,12 @@ class Producer:
         if self._closed or self._core.closing:
             raise ProducerClosed(f"{what} after close()")
 
+    def _refuse_unsendable(self) -> None:
+        """A send after close() (ProducerClosed) or after a fatal error (that error)."""
+        self._refuse_if_closed("send")
+        if self._core.fatal is not None:
+            raise self._core.fatal
+
     async def _check_acks_supported(self) -> None:
         await self.broker.run(
             identity_ops.check_acks(
@@ -226,8 +232,7 @@ class Producer:
         delay_ms / deliver_at (tz-aware): stored now, appended when due (see redisq.delayed).
         timestamp_ms: the message's own time (see redisq.Producer.send_async)."""
         core = self._core
-        if core.fatal is not None or core.closing:
-            raise core.fatal or ProducerClosed("send after close()")
+        self._refuse_unsendable()
         if delay_ms is not None or deliver_at is not None:
             refuse_timestamp_with_delay(timestamp_ms)
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
@@ -315,8 +320,7 @@ class Producer:
     ) -> RecordMetadata:
         """Send one message and wait until it is acknowledged (no linger)."""
         core = self._core
-        if core.fatal is not None or core.closing:  # before _topic_config(), which starts it
-            raise core.fatal or ProducerClosed("send after close()")
+        self._refuse_unsendable()  # before _topic_config(), which starts it
         if delay_ms is not None or deliver_at is not None:
             refuse_timestamp_with_delay(timestamp_ms)
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
@@ -336,8 +340,7 @@ class Producer:
             if self._core.fatal is not None:
                 raise self._core.fatal
             await self._wait_progress()
-        if core.fatal is not None or core.closing:  # closed while this send waited
-            raise core.fatal or ProducerClosed("send after close()")
+        self._refuse_unsendable()  # closed while this send waited
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
         batch = self._enqueue(
             config, value, key, headers, message_id, partition, future, timestamp_ms
