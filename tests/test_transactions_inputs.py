@@ -42,6 +42,22 @@ def three_inputs(broker: redisq.Broker) -> None:
             producer.send("in", value, key="k")
 
 
+def another_member_handles_it(driver: Any, m1: Any) -> Any:
+    """m0 joins (it sorts first: the partition is its share), transforms and commits what is
+    there, and leaves: the partition comes back to m1 under a new lease. Returns m0's
+    producer."""
+    m0 = driver.consumer("in", "g", "m0", **CONSUMER)
+    producer0 = driver.producer("xf0", transactional=True)
+    taken = wait_until(lambda: m0.poll(timeout=0.5, max_messages=10), 20, "m0 to take it")
+    with producer0.transaction() as tx0:
+        for m in taken:
+            tx0.send("out", b"m0:" + m.value, key=m.key)
+        tx0.ack(m0, taken)
+    m0.close()
+    wait_until(lambda: m1.assignment == [0], 20, "the partition back with m1")
+    return producer0
+
+
 def test_tx_ack_of_messages_from_an_earlier_lease_is_refused(
     broker: redisq.Broker, driver: Any
 ) -> None:
@@ -55,15 +71,7 @@ def test_tx_ack_of_messages_from_an_earlier_lease_is_refused(
     polled = m1.poll(timeout=5, max_messages=10)
     assert [m.value for m in polled] == [b"a", b"b", b"c"]
 
-    m0 = driver.consumer("in", "g", "m0", **CONSUMER)  # sorts first: the partition is its share
-    producer0 = driver.producer("xf0", transactional=True)
-    taken = wait_until(lambda: m0.poll(timeout=0.5, max_messages=10), 20, "m0 to take it")
-    with producer0.transaction() as tx0:
-        for m in taken:
-            tx0.send("out", b"m0:" + m.value, key=m.key)
-        tx0.ack(m0, taken)
-    m0.close()
-    wait_until(lambda: m1.assignment == [0], 20, "the partition back with m1")
+    producer0 = another_member_handles_it(driver, m1)
 
     with pytest.raises(redisq.LeaseLost):
         with producer1.transaction() as tx1:
@@ -118,15 +126,7 @@ def test_a_transaction_that_acked_under_a_lost_lease_cannot_commit(
         tx1.send("out", b"m1:" + m.value, key=m.key)
     tx1.ack(m1, polled)
 
-    m0 = driver.consumer("in", "g", "m0", **CONSUMER)
-    producer0 = driver.producer("xf0", transactional=True)
-    taken = wait_until(lambda: m0.poll(timeout=0.5, max_messages=10), 20, "m0 to take it")
-    with producer0.transaction() as tx0:
-        for m in taken:
-            tx0.send("out", b"m0:" + m.value, key=m.key)
-        tx0.ack(m0, taken)
-    m0.close()
-    wait_until(lambda: m1.assignment == [0], 20, "the partition back with m1")
+    producer0 = another_member_handles_it(driver, m1)
     with broker.producer() as plain:
         plain.send("in", b"d", key="k")
     d = wait_until(lambda: m1.poll(timeout=0.5, max_messages=10), 10, "m1 to poll d")
