@@ -241,17 +241,21 @@ class TransactionCore:
         return self.staging.full()
 
     def ack(self, consumer: TxConsumer, messages: Message | Iterable[Message]) -> None:
+        lost = None
         for lease, position in consumer._transaction_inputs(messages, self.transaction_id):
             key = (position.group, position.topic, position.partition)
             acked_before = self._inputs.get(key)
             if acked_before is not None and acked_before[1] != lease:
                 # It acked under a lease since lost (the partition moved, maybe came back):
                 # that input is kept, so the commit's hold of its lease fails (it aborts).
-                raise LeaseLost(
-                    f"{position.topic}/{position.partition}: the transaction acked messages "
-                    "under an earlier lease of the partition: it cannot commit"
-                )
-            self._inputs[key] = (consumer, lease, position)
+                lost = position
+                continue
+            self._inputs[key] = (consumer, lease, position)  # the others: an abort resets them
+        if lost is not None:
+            raise LeaseLost(
+                f"{lost.topic}/{lost.partition}: the transaction acked messages under an "
+                "earlier lease of the partition: it cannot commit"
+            )
 
     def unstaged(self) -> tuple[list[StagedBatch], int, bool]:
         """(batches to stage now, the index of the first, whether to register first)."""

@@ -136,6 +136,12 @@ def test_a_transaction_that_acked_under_a_lost_lease_cannot_commit(
     with pytest.raises(redisq.TransactionAborted):
         tx1.commit()
     assert values_of(broker, "out") == [b"m0:a", b"m0:b", b"m0:c"]
+    again = m1.poll(timeout=2, max_messages=10)  # the partition is not stuck in tx1
+    assert [m.value for m in again] == [b"d"]  # handed out again after the abort
+    with producer1.transaction() as tx2:
+        tx2.send("out", b"m1:d")
+        tx2.ack(m1, again)
+    assert values_of(broker, "out") == [b"m0:a", b"m0:b", b"m0:c", b"m1:d"]
     for closing in (m1, producer0, producer1):
         closing.close()
 
@@ -246,3 +252,52 @@ def test_nothing_is_added_after_a_commit_whose_answer_was_lost(
         via_proxy.close()
         via_direct.close()
         direct.close()
+
+
+def test_a_refused_ack_leaves_the_other_partitions_usable(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """tx1 acks p0's messages; p0 moves to m0 and comes back; one tx.ack of a new p0 message
+    and p1's messages is refused (LeaseLost) and tx1 aborts: p1's messages are handed out
+    again and a new transaction commits them (before, p1 stayed marked as in tx1: its
+    transactions failed and its plain commits waited)."""
+    broker.create_topic("in", partitions=2)
+    broker.create_topic("out", partitions=1)
+    with broker.producer() as plain:
+        for partition in (0, 1):
+            plain.send("in", f"p{partition}".encode(), partition=partition)
+    m1 = driver.consumer("in", "g", "m1", **CONSUMER)
+    producer1 = driver.producer("xf1", transactional=True)
+    polled: list[Any] = []
+
+    def both_polled() -> bool:
+        polled.extend(m1.poll(timeout=0.5, max_messages=10))
+        return {m.partition for m in polled} == {0, 1}
+
+    wait_until(both_polled, 15, "m1 to poll both partitions")
+    p0 = [m for m in polled if m.partition == 0]
+    p1 = [m for m in polled if m.partition == 1]
+    tx1 = producer1.transaction()
+    tx1.ack(m1, p0)
+
+    m0 = driver.consumer("in", "g", "m0", **CONSUMER)  # sorts first: p0 is its share
+    wait_until(lambda: m0.poll(timeout=0.5, max_messages=10), 20, "m0 to take p0")
+    m0.close()
+    wait_until(lambda: sorted(m1.assignment) == [0, 1], 20, "p0 back with m1")
+    with broker.producer() as plain:
+        plain.send("in", b"p0-new", partition=0)
+    new = wait_until(lambda: m1.poll(timeout=0.5, max_messages=10), 10, "m1 to poll p0-new")
+    with pytest.raises(redisq.LeaseLost, match="earlier lease"):
+        tx1.ack(m1, [*new, *p1])
+    with pytest.raises(redisq.TransactionAborted):
+        tx1.commit()
+    again: list[Any] = []
+    wait_until(lambda: again.extend(m1.poll(timeout=0.5, max_messages=10)) or any(
+        m.partition == 1 for m in again), 10, "p1's message handed out again")  # fmt: skip
+    assert [m.value for m in again if m.partition == 1] == [b"p1"]
+    with producer1.transaction() as tx2:
+        tx2.send("out", b"did p1")
+        tx2.ack(m1, [m for m in again if m.partition == 1])
+    assert committed_positions(broker, "in", "g")[1] == p1[-1].offset
+    m1.close()
+    producer1.close()

@@ -125,7 +125,7 @@ class Coordinator:
 
     async def _leave_group(self) -> None:
         """Leave the group on every topic joined (the others get its partitions at once)."""
-        for topic in self._start_ids:
+        for topic in list(self._start_ids):  # start() may join one more meanwhile
             try:
                 await self.broker.scripts.run(
                     calls.heartbeat(
