@@ -354,6 +354,12 @@ class OrderlyPartition:
             raise ValueError(f"{topic}/{partition} is in transaction {self.transaction}")
         mine = self.tx_acked if self.transaction == tx_id else ()
         for offset in offsets:
+            if offset in self.held:  # behind the position: its ack is a record, not a position
+                raise InvalidConfig(
+                    f"{topic}/{partition}: message {offset} was held behind a parked key and "
+                    "released: a transaction commits positions and cannot take its ack; "
+                    "ack it with consumer.ack()"
+                )
             if offset not in self.unacked and offset not in mine:
                 raise LeaseLost(
                     f"{topic}/{partition}: message {offset} is not one this consumer holds "

@@ -213,9 +213,9 @@ class PartitionIO:
         self._scripts.run(calls.commit_position(self._keys, lease, commit))
 
     def load_parked(self, reader: OrderlyPartition) -> None:
-        """The parked keys and the messages held behind them (policy park_key)."""
-        if self.policy.name != "park_key" and not reader.held:
-            return
+        """The group's parked keys and the messages held behind them, whatever this member's
+        policy (a park_key member may have parked them): its messages stay held, and the held
+        ones are handed out once their key is released."""
         topic, p = reader.tp
         parked = self._client.hgetall(self._keys.parked_keys(topic, p, self.group))
         held = self._client.hgetall(self._keys.held_messages(topic, p, self.group))

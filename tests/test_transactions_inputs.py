@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 
 import redisq
+from redisq.deadletter import release_key
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
+from tests.test_malformed import FOREIGN, xadd
 from tests.txhelp import DRIVERS, committed_positions, tx_state, values_of, wait_until
 
 CONSUMER = {"lease_ttl_ms": 1500, "ack_interval_ms": 50}
@@ -301,3 +303,43 @@ def test_a_refused_ack_leaves_the_other_partitions_usable(
     assert committed_positions(broker, "in", "g")[1] == p1[-1].offset
     m1.close()
     producer1.close()
+
+
+@pytest.mark.parametrize("policy", ["park_key", "dead_letter"])
+def test_a_released_held_message_is_acked_outside_transactions(
+    broker: redisq.Broker, driver: Any, policy: str
+) -> None:
+    """A message held behind a parked key and released after the position passed it: its ack
+    is a record (no longer held), not a position, so a transaction cannot carry it (it would be
+    recorded even if the transaction aborts, and never handed out again): InvalidConfig, and
+    consumer.ack() takes it. A member whose own policy is not park_key honours the group's
+    parked key too (before, it ignored it and never handed the held message out)."""
+    broker.create_topic("in", partitions=1)
+    broker.create_topic("out", partitions=1)
+    with broker.producer() as plain:
+        plain.send("in", b"n0", key="fk1")
+        xadd(broker, "in", 0, FOREIGN["non-numeric producer id"])  # key fk1: parks it
+        plain.send("in", b"n1", key="fk1")  # held behind the parked key
+        plain.send("in", b"n2", key="other")
+    handled: list[bytes] = []
+    runner = broker.consumer("in", "g", "m0", failure_policy="park_key", **CONSUMER)
+    thread = threading.Thread(target=runner.run, args=(lambda m: handled.append(m.value),))
+    thread.start()
+    wait_until(lambda: handled == [b"n0", b"n2"], 10, "n0 and n2 handled, fk1 parked")
+    runner.close()
+    thread.join(10)
+    # The group's parked keys hold whatever the policy of the member that owns the partition.
+    consumer = driver.consumer("in", "g", "m1", failure_policy=policy, **CONSUMER)
+    producer = driver.producer("xf", transactional=True)
+    assert consumer.poll(timeout=1, max_messages=10) == []  # n1 is held
+    assert release_key(broker, "in", "g", "fk1") == 1
+    released = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n1 again")
+    assert [m.value for m in released] == [b"n1"]
+    with pytest.raises(redisq.InvalidConfig, match="parked"):
+        with producer.transaction() as tx:
+            tx.send("out", b"from n1")
+            tx.ack(consumer, released)
+    assert values_of(broker, "out") == []
+    consumer.ack(released)
+    consumer.close()
+    producer.close()

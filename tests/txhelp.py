@@ -179,6 +179,9 @@ class _AsyncConsumer:
     def poll(self, timeout: float = 1.0, max_messages: int = 100) -> list[Message]:
         return list(self.d.call(self.inner.poll(timeout, max_messages)))
 
+    def ack(self, messages: Any) -> Any:
+        return self.d.call(self.inner.ack(messages))
+
     def close(self) -> None:
         self.d.call(self.inner.close())
 

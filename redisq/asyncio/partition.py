@@ -135,8 +135,7 @@ class AsyncPartitionIO:
         await self.broker.scripts.run(calls.commit_position(self._keys, lease, commit))
 
     async def load_parked(self, reader: OrderlyPartition) -> None:
-        if self.policy.name != "park_key" and not reader.held:
-            return
+        """See redisq.partition.PartitionIO.load_parked."""
         topic, p = reader.tp
         parked = await self._client.hgetall(self._keys.parked_keys(topic, p, self.group))
         held = await self._client.hgetall(self._keys.held_messages(topic, p, self.group))
