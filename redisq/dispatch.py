@@ -367,15 +367,16 @@ class OrderlyPartition:
                     "already): the transaction cannot commit it"
                 )
         acking = set(offsets) & self.unacked
+        gap = None
         for offset in self.outstanding:  # the position will move over these
             if offset in acking:
                 acking.discard(offset)
             elif offset in self.unacked:  # the first message not acked: a gap before the rest
+                gap = offset
                 break
         if acking:
-            first_gap = next(o for o in self.outstanding if o in self.unacked and o not in offsets)
             raise InvalidConfig(
-                f"{topic}/{partition}: a transaction acks messages in order: ack {first_gap} "
+                f"{topic}/{partition}: a transaction acks messages in order: ack {gap} "
                 "(given out before the others and not acked) with or before them"
             )
 

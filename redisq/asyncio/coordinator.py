@@ -88,7 +88,7 @@ class Coordinator:
             metadata_max_age_ms=settings.metadata_max_age_ms,
         )
         self._start_ids: dict[str, str] = {}
-        self.io = AsyncPartitionIO(broker, self.group, self.name, settings, self.policy)
+        self.io = AsyncPartitionIO(broker, self.group, self.name, settings)
         self._readers: dict[TopicPartition, OrderlyPartition] = {}
         self._workers: dict[TopicPartition, asyncio.Task[None]] = {}
         self._handler: Callable[[Message], Any] | None = None

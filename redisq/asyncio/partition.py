@@ -20,9 +20,6 @@ from redisq.errors import PartitionOutOfRange, from_reply
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
 from redisq.partition import MalformedLog, PartitionIO, stream_entries
-from redisq.policies import (
-    FailurePolicy,
-)
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
 from redisq.protocol.resp import pack_commands
@@ -48,13 +45,11 @@ class AsyncPartitionIO:
         group: str,
         member: str,
         settings: ConsumerSettings,
-        policy: FailurePolicy,
     ) -> None:
         self.broker = broker
         self.group = group
         self.member = member
         self.settings = settings
-        self.policy = policy
         self._keys = broker.keys
         self._client = broker.client
         self._cluster = isinstance(self._client, RedisCluster)
