@@ -49,18 +49,5 @@ end
 if ARGV[7] == '1' then
   redis.call('HDEL', KEYS[3], 'blocked_offset', 'blocked_error', 'blocked_attempts')
 end
-local parked, held, unheld = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local at = 11
-for _ = 1, parked do
-  redis.call('HSET', KEYS[4], ARGV[at], ARGV[at + 1])
-  at = at + 2
-end
-for _ = 1, held do
-  redis.call('HSET', KEYS[5], ARGV[at], ARGV[at + 1])
-  at = at + 2
-end
-for _ = 1, unheld do
-  redis.call('HDEL', KEYS[5], ARGV[at])
-  at = at + 1
-end
+record_parked(KEYS[4], KEYS[5], 8)
 return 1

@@ -3,12 +3,21 @@ while the lease is still the caller's, record that a transaction may commit its 
 
 KEYS[1]  the lease key                         <ns>:{<topic>:<p>}:lease:<group>
 KEYS[2]  the group's partition state hash      <ns>:{<topic>:<p>}:gstate:<group>
+KEYS[3]  the group's parked keys hash          <ns>:{<topic>:<p>}:parked:<group>
+KEYS[4]  the group's held messages hash        <ns>:{<topic>:<p>}:held:<group>
 ARGV[1]  the holder's lease value
 ARGV[2]  transaction id
+ARGV[3]  P: keys parked since the last commit; ARGV[4] H: messages held back behind a parked key;
+ARGV[5]  U: held messages handled since; then the pairs and offsets, as commit_position.lua
 
 A new owner of the partition finds pending_tx in the state when its lease is granted and
 resolves it (tx_position.lua) before it reads: the position a committed transaction carries is
 applied once, whoever holds the partition by then, and never overtaken by a redelivery.
+
+The held messages (and parked keys) the position will pass are recorded here, before the
+transaction can commit: a position that passed a held message nobody recorded would lose it (a
+crash before the next plain commit). Recorded early, a held message the position does not pass
+(the transaction aborts) is held again when it is read again: recording is idempotent.
 
 Returns 1.
 Error replies
@@ -20,4 +29,5 @@ if not lease_holder(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST partition lease is held by another grant')
 end
 redis.call('HSET', KEYS[2], 'pending_tx', ARGV[2])
+record_parked(KEYS[3], KEYS[4], 3)
 return 1

@@ -16,17 +16,14 @@ Dead letters, parked keys and the blocked message change with the position, atom
 from __future__ import annotations
 
 import time
-import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from redisq.errors import InvalidConfig, LeaseLost
 from redisq.protocol.group import Commit, Grant, Lease
 from redisq.protocol.transactions import InputPosition
-from redisq.records import MalformedMessage, Message, decode_entries, offset_before, offset_parts
+from redisq.records import Message, offset_before, offset_parts
 
 
 class OrderlyPartition:
@@ -68,6 +65,7 @@ class OrderlyPartition:
         self.tx_position: str | None = None
         self.tx_count = 0
         self.tx_acked: set[str] = set()  # offsets the open transaction acked
+        self.tx_records = Commit()  # held messages and parked keys its hold records
 
     # -- reading ---------------------------------------------------------------------------------
     def next_range(self) -> tuple[str, bool]:
@@ -382,10 +380,12 @@ class OrderlyPartition:
 
     def transactional_ack(
         self, tx_id: str, offsets: list[str], now: float
-    ) -> tuple[str, int | None] | None:
+    ) -> tuple[str, int | None, Commit] | None:
         """The caller acked these within transaction tx_id (check_transactional_ack passed):
         the position moves over them as for ack(), but belongs to the transaction; (position,
-        entries_read) it would commit."""
+        entries_read, records) it would commit. The records (held messages, parked keys and
+        released ones so far) go with it: the position may pass a held message, which must
+        be recorded before the position moves (tx_hold.lua)."""
         self.ack(offsets, now)
         self.tx_acked.update(offsets)
         if self.done is not None:
@@ -395,8 +395,14 @@ class OrderlyPartition:
             self.done, self.done_count = None, 0
         if self.tx_position is None:
             return None
+        records, pending = self.tx_records, self.pending
+        records.parked += pending.parked
+        records.held += pending.held
+        records.unheld += pending.unheld
+        pending.parked, pending.held, pending.unheld = [], [], []
         entries = None if self.entries_read is None else self.entries_read + self.tx_count
-        return self.tx_position, entries
+        copy = Commit(parked=[*records.parked], held=[*records.held], unheld=[*records.unheld])
+        return self.tx_position, entries, copy
 
     def transaction_ended(self, position: str, entries_read: int | None, committed: bool) -> None:
         """Committed: the group is at `position` now. Aborted: read again from the committed
@@ -409,8 +415,15 @@ class OrderlyPartition:
             self.outstanding.clear()
             self.unacked.clear()
             self.done, self.done_count = None, 0
+            # Its hold may not have run: the next commit records them (again: idempotent).
+            records, pending = self.tx_records, self.pending
+            pending.parked[:0], pending.held[:0] = records.parked, records.held
+            pending.unheld[:0] = records.unheld
+            if records.parked or records.held or records.unheld:
+                self._touch(time.monotonic())
         self.transaction, self.tx_position, self.tx_count = None, None, 0
         self.tx_acked.clear()
+        self.tx_records = Commit()
 
     # -- committing ------------------------------------------------------------------------------
     def commit_due(self, now: float, interval_s: float) -> bool:
@@ -468,28 +481,6 @@ class OrderlyPartition:
         self.uncommitted_since = now
 
 
-def lanes(messages: list[Message], count: int) -> list[list[Message]]:
-    """key_concurrency: a key always maps to the same lane, so each key stays in order while
-    different keys run in parallel; keyless messages spread out."""
-    result: list[list[Message]] = [[] for _ in range(count)]
-    for i, message in enumerate(messages):
-        lane = zlib.crc32(message.key) if message.key is not None else i
-        result[lane % count].append(message)
-    return [lane for lane in result if lane]
-
-
-def lanes_end(messages: list[Message], blocks_malformed: bool) -> int:
-    """key_concurrency: how many of a read's messages go to lanes. When the policy blocks on a
-    malformed entry, they stop short of the first one: it is met (and the partition blocks,
-    reading again from it) only once all before it is handled, and nothing after it is
-    handled before it."""
-    if blocks_malformed:
-        for i, message in enumerate(messages):
-            if message.__class__ is MalformedMessage:
-                return i
-    return len(messages)
-
-
 def still_given(batches: list[tuple[OrderlyPartition | None, int, list[Message]]]) -> list[Message]:
     """poll()'s result: each partition's screened messages (with the reader's moves after they
     were screened), except a partition whose position moved since, while poll() went on to the
@@ -501,54 +492,6 @@ def still_given(batches: list[tuple[OrderlyPartition | None, int, list[Message]]
         if reader is None or reader.moves == moves
         for message in messages
     ]
-
-
-def admitted_chunks(
-    reader: OrderlyPartition,
-    entries: list[Any],
-    size: int,
-    lock: AbstractContextManager[Any],
-    moves: int,
-) -> Iterator[list[Message]]:
-    """One fenced read's raw entries as Messages, admitted once (under `lock`) and decoded
-    `size` at a time as the caller takes them, for a worker that handles each chunk before
-    taking the next. With a key parked, or a read of one chunk, the read is decoded and
-    admitted whole (admit holds back the parked keys' messages), and given out `size` at a
-    time. `moves`: reader.moves when the read was sent. A position that jumped since (a seek,
-    an aborted transaction) drops the read, whole if it jumped while the read was in flight,
-    else its chunks not given out yet: the next read starts where it jumped to.
-
-    The raw entries of each chunk given out are dropped from `entries` (set to None): the
-    reply dies as it is handled instead of living, and being traced by the collector, until the
-    next read replaces it (about a fifth less time in collections)."""
-    topic, partition = reader.tp
-    whole = len(entries) <= size
-    head = decode_entries(topic, partition, entries[:size])
-    last = None if whole else decode_entries(topic, partition, entries[-1:])[0].offset
-    with lock:
-        if reader.moves != moves:
-            return
-        now = time.monotonic()
-        if whole or reader.parked:
-            messages = head if whole else decode_entries(topic, partition, entries)
-            head, whole = reader.admit(messages, now), True
-        else:
-            reader.admit_read(head, last, now)
-    if whole:
-        for start in range(0, len(head), size):
-            if start and reader.moves != moves:
-                return
-            yield head[start : start + size]
-        return
-    entries[:size] = [None] * size
-    yield head
-    for start in range(size, len(entries), size):
-        if reader.moves != moves:  # moved by another thread (or the handler): read anew
-            return
-        end = start + size
-        chunk = decode_entries(topic, partition, entries[start:end])
-        entries[start:end] = [None] * len(chunk)
-        yield chunk
 
 
 def messages_by_partition(

@@ -102,7 +102,7 @@ def commit(
     TransactionAborted raised. TransactionDecided: it was aborted before (its timeout, a new
     instance, a consumer that took an input over)."""
     if inputs:
-        holds = yield [tx.hold_input(keys, lease, tx_id) for lease, _ in inputs]
+        holds = yield [tx.hold_input(keys, lease, tx_id, p) for lease, p in inputs]
         lost = [r for r in holds if isinstance(r, LeaseLost)]
         if lost:
             # A retry whose first attempt decided "committed" (its reply was lost) finds the

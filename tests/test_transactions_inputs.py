@@ -305,6 +305,28 @@ def test_a_refused_ack_leaves_the_other_partitions_usable(
     producer1.close()
 
 
+def fk1_parked(broker: redisq.Broker, *values: bytes) -> None:
+    """Topics "in" and "out"; on "in", n0 (key fk1), a malformed entry of key fk1 and then
+    `values` (fk1, then "other"); a run() member of group g with policy park_key handles n0,
+    parks fk1 at the malformed entry, holds what follows of fk1, handles the rest, and leaves."""
+    broker.create_topic("in", partitions=1)
+    broker.create_topic("out", partitions=1)
+    with broker.producer() as plain:
+        plain.send("in", b"n0", key="fk1")
+        xadd(broker, "in", 0, FOREIGN["non-numeric producer id"])  # key fk1: parks it
+        plain.send("in", values[0], key="fk1")  # held behind the parked key
+        for value in values[1:]:
+            plain.send("in", value, key="other")
+    handled: list[bytes] = []
+    runner = broker.consumer("in", "g", "m0", failure_policy="park_key", **CONSUMER)
+    thread = threading.Thread(target=runner.run, args=(lambda m: handled.append(m.value),))
+    thread.start()
+    want = [b"n0", *values[1:]]
+    wait_until(lambda: handled == want, 10, f"{want} handled, fk1 parked")
+    runner.close()
+    thread.join(10)
+
+
 @pytest.mark.parametrize("policy", ["park_key", "dead_letter"])
 def test_a_released_held_message_is_acked_outside_transactions(
     broker: redisq.Broker, driver: Any, policy: str
@@ -314,20 +336,7 @@ def test_a_released_held_message_is_acked_outside_transactions(
     recorded even if the transaction aborts, and never handed out again): InvalidConfig, and
     consumer.ack() takes it. A member whose own policy is not park_key honours the group's
     parked key too (before, it ignored it and never handed the held message out)."""
-    broker.create_topic("in", partitions=1)
-    broker.create_topic("out", partitions=1)
-    with broker.producer() as plain:
-        plain.send("in", b"n0", key="fk1")
-        xadd(broker, "in", 0, FOREIGN["non-numeric producer id"])  # key fk1: parks it
-        plain.send("in", b"n1", key="fk1")  # held behind the parked key
-        plain.send("in", b"n2", key="other")
-    handled: list[bytes] = []
-    runner = broker.consumer("in", "g", "m0", failure_policy="park_key", **CONSUMER)
-    thread = threading.Thread(target=runner.run, args=(lambda m: handled.append(m.value),))
-    thread.start()
-    wait_until(lambda: handled == [b"n0", b"n2"], 10, "n0 and n2 handled, fk1 parked")
-    runner.close()
-    thread.join(10)
+    fk1_parked(broker, b"n1", b"n2")
     # The group's parked keys hold whatever the policy of the member that owns the partition.
     consumer = driver.consumer("in", "g", "m1", failure_policy=policy, **CONSUMER)
     producer = driver.producer("xf", transactional=True)
@@ -342,4 +351,79 @@ def test_a_released_held_message_is_acked_outside_transactions(
     assert values_of(broker, "out") == []
     consumer.ack(released)
     consumer.close()
+    producer.close()
+
+
+def test_a_held_message_the_transaction_passes_survives_the_lease(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """fk1 is parked. m1 polls h1 (fk1: held back) and n3 and commits a transaction that acks
+    n3: its position passes h1. Then m1 loses its lease before any plain commit (its key
+    expires: a pause longer than the TTL; here deleted, as the expiry would). h1 is not lost:
+    the transaction's hold recorded it as held, so once fk1 is released, the partition's next
+    grant hands it out (before, only the next plain commit recorded it: h1 was never handed
+    out)."""
+    fk1_parked(broker, b"n1", b"n2")
+    with broker.producer() as plain:
+        plain.send("in", b"h1", key="fk1")
+        plain.send("in", b"n3", key="other")
+    consumer = driver.consumer("in", "g", "m1", **{**CONSUMER, "ack_interval_ms": 600_000})
+    producer = driver.producer("xf", transactional=True)
+    polled = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n3")
+    assert [m.value for m in polled] == [b"n3"]  # n1 and h1 held behind fk1
+    with producer.transaction() as tx:
+        tx.send("out", b"from n3", key="other")
+        tx.ack(consumer, polled)
+    assert committed_positions(broker, "in", "g")[0] == polled[0].offset  # past h1
+    broker.client.delete(broker.keys.lease("in", 0, "g"))  # m1's lease ran out
+    assert release_key(broker, "in", "g", "fk1") == 1
+    got: list[bytes] = []
+
+    def released() -> bool:
+        got.extend(m.value for m in consumer.poll(timeout=0.3, max_messages=10))
+        return len(got) >= 2
+
+    wait_until(released, 15, "n1 and h1 handed out once fk1 is released")
+    assert got == [b"n1", b"h1"]
+    assert values_of(broker, "out") == [b"from n3"]
+    consumer.close()
+    producer.close()
+
+
+def test_a_held_message_survives_an_aborted_transaction_that_passed_it(
+    broker: redisq.Broker, driver: Any
+) -> None:
+    """As above, but m1's transaction aborts: n3 is polled again and acked outside any
+    transaction, and m1 leaves (its commit passes h1). h1 is still recorded as held: once fk1
+    is released, the next member hands it out."""
+    fk1_parked(broker, b"n1", b"n2")
+    with broker.producer() as plain:
+        plain.send("in", b"h1", key="fk1")
+        plain.send("in", b"n3", key="other")
+    consumer = driver.consumer("in", "g", "m1", **{**CONSUMER, "ack_interval_ms": 600_000})
+    producer = driver.producer("xf", transactional=True)
+    polled = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n3")
+    assert [m.value for m in polled] == [b"n3"]
+    with pytest.raises(RuntimeError, match="changed my mind"):
+        with producer.transaction() as tx:
+            tx.send("out", b"from n3", key="other")
+            tx.ack(consumer, polled)
+            raise RuntimeError("changed my mind")
+    again = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n3 again")
+    assert [m.value for m in again] == [b"n3"]
+    consumer.ack(again)
+    consumer.close()  # commits past h1
+    assert committed_positions(broker, "in", "g")[0] == again[0].offset
+    assert release_key(broker, "in", "g", "fk1") == 1
+    heir = driver.consumer("in", "g", "m2", **CONSUMER)
+    got: list[bytes] = []
+
+    def released() -> bool:
+        got.extend(m.value for m in heir.poll(timeout=0.3, max_messages=10))
+        return len(got) >= 2
+
+    wait_until(released, 15, "n1 and h1 handed out once fk1 is released")
+    assert got == [b"n1", b"h1"]
+    assert values_of(broker, "out") == []
+    heir.close()
     producer.close()

@@ -74,3 +74,24 @@ local function untried_grant(state, position)
     end
   end
 end
+
+-- record_parked(parked, held, at): what an orderly owner records with a position (commit_position,
+-- tx_hold): from ARGV[at], counts P, H, U, then P pairs (key, offset of the dead letter that
+-- parked it) into the parked keys hash, H pairs (offset, key) into the held messages hash, and
+-- U offsets (held messages handled since: their key was released) out of it.
+local function record_parked(parked, held, at)
+  local p, h, u = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
+  at = at + 3
+  for _ = 1, p do
+    redis.call('HSET', parked, ARGV[at], ARGV[at + 1])
+    at = at + 2
+  end
+  for _ = 1, h do
+    redis.call('HSET', held, ARGV[at], ARGV[at + 1])
+    at = at + 2
+  end
+  for _ = 1, u do
+    redis.call('HDEL', held, ARGV[at])
+    at = at + 1
+  end
+end

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisq.dispatch import OrderlyPartition, admitted_chunks, lanes, lanes_end
+from redisq.chunks import admitted_chunks, lanes, lanes_end
+from redisq.dispatch import OrderlyPartition
 from redisq.errors import LeaseLost
 from redisq.ownership import TopicPartition
 from redisq.partition import PartitionIO

@@ -389,6 +389,18 @@ class Commit:
         )
 
 
+def record_args(commit: Commit) -> list[Any]:
+    """The parked keys, held messages and released ones a commit records (record_parked() in
+    lua/includes/group.lua): P, H, U, then P (key, offset) pairs, H (offset, key), U offsets."""
+    args: list[Any] = [len(commit.parked), len(commit.held), len(commit.unheld)]
+    for key, offset in commit.parked:
+        args += [key, offset]
+    for offset, key in commit.held:
+        args += [offset, key]
+    args += commit.unheld
+    return args
+
+
 def commit_position(keys: KeySpace, lease: Lease, commit: Commit) -> ScriptCall[Any]:
     """commit_position.lua: the position and what changed with it, under the lease."""
     topic, p, group = lease.topic, lease.partition, lease.group
@@ -400,15 +412,8 @@ def commit_position(keys: KeySpace, lease: Lease, commit: Commit) -> ScriptCall[
         commit.dead_letters,
         commit.malformed,
         "1" if commit.clear_blocked else "0",
-        len(commit.parked),
-        len(commit.held),
-        len(commit.unheld),
+        *record_args(commit),
     ]
-    for key, offset in commit.parked:
-        args += [key, offset]
-    for offset, key in commit.held:
-        args += [offset, key]
-    args += commit.unheld
     return ScriptCall(
         "commit_position",
         (

@@ -4,12 +4,12 @@ the input positions a consume-transform-produce transaction carries (tx_hold, tx
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redisq.keys import KeySpace
 from redisq.protocol import Command, ScriptCall, Step, text
-from redisq.protocol.group import Lease
+from redisq.protocol.group import Commit, Lease, record_args
 from redisq.protocol.produce import BatchResult
 from redisq.protocol.resp import decode_bulks
 from redisq.topic import TopicConfig
@@ -92,13 +92,16 @@ class TxRecord:
 
 @dataclass(frozen=True, slots=True)
 class InputPosition:
-    """A consumer's position on an input partition, committed with a transaction."""
+    """A consumer's position on an input partition, committed with a transaction. `records`:
+    the held messages (and parked keys) it passes, recorded when the input is held (not kept in
+    the transaction's record: the hold stores them under the lease)."""
 
     group: str
     topic: str
     partition: int
     position: str
     entries_read: int | None
+    records: Commit = field(default_factory=Commit, compare=False)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -324,17 +327,23 @@ def forget_marks(
     return [Command(("PEXPIRE", mark, MARK_GRACE_MS)) for mark in marks]
 
 
-def hold_input(keys: KeySpace, lease: Lease, tx_id: str) -> ScriptCall[Any]:
-    """tx_hold.lua: the input partition waits for this transaction's position (LeaseLost if
-    the lease moved: the transaction must abort)."""
+def hold_input(
+    keys: KeySpace, lease: Lease, tx_id: str, position: InputPosition
+) -> ScriptCall[Any]:
+    """tx_hold.lua: the input partition waits for this transaction's position, and what the
+    position passes is recorded (held messages, parked keys) (LeaseLost if the lease moved: the
+    transaction must abort)."""
+    topic, p, group = lease.topic, lease.partition, lease.group
     return ScriptCall(
         "tx_hold",
         (
-            keys.lease(lease.topic, lease.partition, lease.group),
-            keys.group_partition_state(lease.topic, lease.partition, lease.group),
+            keys.lease(topic, p, group),
+            keys.group_partition_state(topic, p, group),
+            keys.parked_keys(topic, p, group),
+            keys.held_messages(topic, p, group),
         ),
-        (lease.value, tx_id),
-        topic=lease.topic,
+        (lease.value, tx_id, *record_args(position.records)),
+        topic=topic,
     )
 
 
