@@ -582,14 +582,17 @@ def connection_losses(caplog: pytest.LogCaptureFixture) -> int:
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize("cancelled", [False, True], ids=["close", "close-cancelled"])
 @pytest.mark.parametrize("delay_ms", [None, 60_000], ids=["plain", "delayed"])
 def test_close_on_a_silent_server_settles_every_future(
-    delay_ms: int | None, fault_namespace: str
+    delay_ms: int | None, cancelled: bool, fault_namespace: str
 ) -> None:
     """The server SIGSTOPped while a send is on its way: close(timeout=0.5) returns (its
     flush gives up with TimeoutError; the sender gets 5 s, then is stopped) and the send's
     future fails with ProducerClosed (its batch may or may not be stored) instead of staying
-    pending for ever; a delayed send too."""
+    pending for ever; a delayed send too. close-cancelled: the close() itself is cancelled
+    within those 5 s (wait_for of 1.5 s): the sender is stopped all the same, no task is left
+    running and the future fails."""
     server = ServerProcess(binary_for("redis")).start()
     stopped = False
 
@@ -604,8 +607,15 @@ def test_close_on_a_silent_server_settles_every_future(
             stopped = True
             future = producer.send_async(TOPIC, b"x", delay_ms=delay_ms)
             await asyncio.sleep(0.2)  # linger is over: the batch is sent, no answer comes
-            with pytest.raises(TimeoutError, match="unacknowledged"):  # the flush gave up
-                await asyncio.wait_for(producer.close(timeout=0.5), 30)  # it returns
+            if cancelled:
+                with pytest.raises(TimeoutError):  # close() cancelled in the sender's grace
+                    await asyncio.wait_for(producer.close(timeout=0.5), 1.5)
+                others = asyncio.all_tasks() - {asyncio.current_task()}
+                done, running = await asyncio.wait(others, timeout=3) if others else ((), ())
+                assert not running, f"tasks left running: {running}"
+            else:
+                with pytest.raises(TimeoutError, match="unacknowledged"):  # the flush gave up
+                    await asyncio.wait_for(producer.close(timeout=0.5), 30)  # it returns
             assert future.done(), "a send's future left pending after close()"
             assert isinstance(future.exception(), redisq.ProducerClosed)
             with pytest.raises(redisq.ProducerClosed, match="send after close"):

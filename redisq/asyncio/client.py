@@ -196,8 +196,14 @@ async def stop_task(task: asyncio.Task[Any], grace_s: float, halt: Callable[[], 
     own; then halt() (which sets the flag its loop checks) and cancellations, again until it
     has ended. One cancellation is not enough: on Python 3.11 a wait_for() inside redis-py
     (or in the task) whose inner call has just completed returns its result and drops the
-    cancel. Returns True if the task ended on its own."""
-    done, _ = await asyncio.wait({task}, timeout=grace_s)
+    cancel. Returns True if the task ended on its own. If the caller is cancelled meanwhile,
+    the task is halted and cancelled before the cancellation goes on (not left running)."""
+    try:
+        done, _ = await asyncio.wait({task}, timeout=grace_s)
+    except asyncio.CancelledError:
+        halt()
+        task.cancel()
+        raise
     if done:
         return True
     halt()

@@ -194,15 +194,34 @@ class DelayedSender:
             self._signal_finished()
             self._wake.set()
             if self._sender is not None:
-                if not await stop_task(self._sender, 5, self._halt):
-                    log.warning("the delayed sender did not stop within 5 s of close(): stopped")
-                self._core.fail_all(
-                    ProducerClosed("closed before the batch was acknowledged: it may or may "
-                                   "not be stored"), in_flight=True,
-                )  # fmt: skip
-                self._signal_finished()
+                try:
+                    if not await stop_task(self._sender, 5, self._halt):
+                        log.warning(
+                            "the delayed sender did not stop within 5 s of close(): stopped"
+                        )
+                except asyncio.CancelledError:  # close() itself cancelled: nothing left running
+                    self.halt()
+                    raise
+                self._fail_in_flight()
             if self._scheduler is not None:
                 await self._scheduler.close()
+
+    def halt(self) -> None:
+        """The producer's close() was cancelled: stop the sender task and the scheduler now;
+        what the sender had sent and not heard back of fails (stored or not, unknown)."""
+        self._closing = self._halted = True
+        if self._sender is not None:
+            self._sender.cancel()
+        self._fail_in_flight()
+        if self._scheduler is not None:
+            self._scheduler.halt()
+
+    def _fail_in_flight(self) -> None:
+        self._core.fail_all(
+            ProducerClosed("closed before the batch was acknowledged: it may or may not be stored"),
+            in_flight=True,
+        )
+        self._signal_finished()
 
     def _halt(self) -> None:
         self._halted = True

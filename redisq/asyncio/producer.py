@@ -416,13 +416,14 @@ class Producer:
         finally:
             self._core.closing = True
             self._wake.set()
-            if self._sender is not None:
-                if not await stop_task(self._sender, 5, self._halt):
+            try:
+                if self._sender is not None and not await stop_task(self._sender, 5, self._halt):
                     log.warning("the sender did not stop within 5 s of close(): stopped")
-                if not self._sender.cancelled() and self._sender.exception() is not None:
-                    log.warning("the sender failed: %r", self._sender.exception())
-                # What it had sent and not heard back of is failed now, not left pending: it
-                # may or may not be stored (as after a delivery timeout).
+            except asyncio.CancelledError:  # close() itself cancelled: nothing left running
+                self._delayed.halt()
+                raise
+            finally:  # what was sent and not heard back of fails, not left pending: it may or
+                # may not be stored
                 self._core.fail_all(
                     ProducerClosed("closed before the batch was acknowledged: it may or may "
                                    "not be stored"), fatal=True,

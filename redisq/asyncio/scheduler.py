@@ -98,6 +98,15 @@ class Scheduler:
         except Exception as exc:  # the leases expire by themselves
             log.warning("scheduler: could not hand back its leases: %s", exc)
 
+    def halt(self) -> None:
+        """The close of its owner was cancelled: stop the task now, without waiting (its leases
+        run out by themselves)."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            self._wake.set()
+            task.cancel()
+
     async def __aenter__(self) -> Scheduler:
         return self
 
