@@ -24,6 +24,7 @@ from redis.exceptions import NoScriptError
 from redisq.deadletter import DeadLetterWriter
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
+from redisq.keys import KeySpace
 from redisq.ownership import TopicPartition
 from redisq.policies import (
     DeadLetter,
@@ -216,10 +217,9 @@ class PartitionIO:
         """The group's parked keys and the messages held behind them, whatever this member's
         policy (a park_key member may have parked them): its messages stay held, and the held
         ones are handed out once their key is released."""
-        topic, p = reader.tp
-        parked = self._client.hgetall(self._keys.parked_keys(topic, p, self.group))
-        held = self._client.hgetall(self._keys.held_messages(topic, p, self.group))
-        reader.parked_loaded(parked, held)
+        key = self._keys.log(*reader.tp)
+        reads = parked_reads(self._keys, self.group, reader.tp)
+        reader.parked_loaded(*hashes(self._exchange(key, reads)))
 
     def parked_now(self, tp: TopicPartition) -> set[bytes]:
         return set(self._client.hkeys(self._keys.parked_keys(tp[0], tp[1], self.group)))
@@ -460,3 +460,23 @@ def stream_entries(reply: Any) -> list[Any]:
     if isinstance(reply, dict):
         return next(iter(reply.values())) or []
     return reply[0][1] or []
+
+
+def parked_reads(keys: KeySpace, group: str, tp: TopicPartition) -> list[tuple[str, str]]:
+    """load_parked's two reads, sent in one round trip (the keys share the partition's slot)."""
+    return [
+        ("HGETALL", keys.parked_keys(tp[0], tp[1], group)),
+        ("HGETALL", keys.held_messages(tp[0], tp[1], group)),
+    ]
+
+
+def hashes(replies: list[Any]) -> list[dict[bytes, bytes]]:
+    """Raw HGETALL replies (RESP2 flat lists or RESP3 maps) as dicts; an error reply raises."""
+    result = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+        result.append(
+            reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+        )
+    return result

@@ -19,7 +19,13 @@ from redisq.dispatch import OrderlyPartition
 from redisq.errors import PartitionOutOfRange, from_reply
 from redisq.keys import dead_letter_topic
 from redisq.ownership import TopicPartition
-from redisq.partition import MalformedLog, PartitionIO, stream_entries
+from redisq.partition import (
+    MalformedLog,
+    PartitionIO,
+    hashes,
+    parked_reads,
+    stream_entries,
+)
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
 from redisq.protocol.resp import pack_commands
@@ -131,10 +137,10 @@ class AsyncPartitionIO:
 
     async def load_parked(self, reader: OrderlyPartition) -> None:
         """See redisq.partition.PartitionIO.load_parked."""
-        topic, p = reader.tp
-        parked = await self._client.hgetall(self._keys.parked_keys(topic, p, self.group))
-        held = await self._client.hgetall(self._keys.held_messages(topic, p, self.group))
-        reader.parked_loaded(parked, held)
+        key = self._keys.log(*reader.tp)
+        reader.parked_loaded(
+            *hashes(await self._exchange(key, parked_reads(self._keys, self.group, reader.tp)))
+        )
 
     async def parked_now(self, tp: TopicPartition) -> set[bytes]:
         return set(await self._client.hkeys(self._keys.parked_keys(tp[0], tp[1], self.group)))
