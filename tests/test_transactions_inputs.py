@@ -427,3 +427,38 @@ def test_a_held_message_survives_an_aborted_transaction_that_passed_it(
     assert values_of(broker, "out") == []
     heir.close()
     producer.close()
+
+
+@pytest.mark.parametrize("outcome", ["commit", "abort"])
+def test_a_plain_ack_during_an_open_transaction_waits_for_it(
+    broker: redisq.Broker, driver: Any, outcome: str
+) -> None:
+    """m1 polls a, b, c; a transaction acks a; consumer.ack(b) outside it. The plain ack waits
+    for the transaction: committed, the group ends up past b once m1 leaves; aborted, a and b
+    are delivered again (at-least-once), nothing is lost."""
+    three_inputs(broker)
+    consumer = driver.consumer("in", "g", "m1", **CONSUMER)
+    producer = driver.producer("xf", transactional=True)
+    a, b, c = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "a, b, c")
+    try:
+        with producer.transaction() as tx:
+            tx.send("out", b"from a", key="k")
+            tx.ack(consumer, [a])
+            consumer.ack([b])
+            time.sleep(0.3)  # several ack intervals: the plain ack is not committed alone
+            assert committed_positions(broker, "in", "g").get(0) in (None, "0-0")
+            if outcome == "abort":
+                raise RuntimeError("abort")
+    except RuntimeError:
+        pass
+    if outcome == "commit":
+        assert committed_positions(broker, "in", "g")[0] == a.offset
+        consumer.close()
+        assert committed_positions(broker, "in", "g")[0] == b.offset
+        assert values_of(broker, "out") == [b"from a"]
+    else:
+        again = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "again")
+        assert [m.value for m in again] == [b"a", b"b", b"c"]
+        assert values_of(broker, "out") == []
+        consumer.close()
+    producer.close()
