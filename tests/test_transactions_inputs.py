@@ -354,6 +354,33 @@ def test_a_released_held_message_is_acked_outside_transactions(
     producer.close()
 
 
+def h1_held_and_n3_polled(broker: redisq.Broker, driver: Any) -> tuple[Any, Any, list[Any]]:
+    """fk1 parked (fk1_parked), then h1 (fk1) and n3 (other) sent; m1 (no plain commit before
+    close) polls n3 only. Returns m1, a transactional producer and what m1 polled."""
+    fk1_parked(broker, b"n1", b"n2")
+    with broker.producer() as plain:
+        plain.send("in", b"h1", key="fk1")
+        plain.send("in", b"n3", key="other")
+    consumer = driver.consumer("in", "g", "m1", **{**CONSUMER, "ack_interval_ms": 600_000})
+    producer = driver.producer("xf", transactional=True)
+    polled = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n3")
+    assert [m.value for m in polled] == [b"n3"]  # n1 and h1 held behind fk1
+    return consumer, producer, polled
+
+
+def released_once_fk1_is(broker: redisq.Broker, consumer: Any) -> list[bytes]:
+    """Release fk1; what `consumer` polls until two messages came (15 s at most)."""
+    assert release_key(broker, "in", "g", "fk1") == 1
+    got: list[bytes] = []
+
+    def released() -> bool:
+        got.extend(m.value for m in consumer.poll(timeout=0.3, max_messages=10))
+        return len(got) >= 2
+
+    wait_until(released, 15, "n1 and h1 handed out once fk1 is released")
+    return got
+
+
 def test_a_held_message_the_transaction_passes_survives_the_lease(
     broker: redisq.Broker, driver: Any
 ) -> None:
@@ -363,28 +390,13 @@ def test_a_held_message_the_transaction_passes_survives_the_lease(
     the transaction's hold recorded it as held, so once fk1 is released, the partition's next
     grant hands it out (before, only the next plain commit recorded it: h1 was never handed
     out)."""
-    fk1_parked(broker, b"n1", b"n2")
-    with broker.producer() as plain:
-        plain.send("in", b"h1", key="fk1")
-        plain.send("in", b"n3", key="other")
-    consumer = driver.consumer("in", "g", "m1", **{**CONSUMER, "ack_interval_ms": 600_000})
-    producer = driver.producer("xf", transactional=True)
-    polled = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n3")
-    assert [m.value for m in polled] == [b"n3"]  # n1 and h1 held behind fk1
+    consumer, producer, polled = h1_held_and_n3_polled(broker, driver)
     with producer.transaction() as tx:
         tx.send("out", b"from n3", key="other")
         tx.ack(consumer, polled)
     assert committed_positions(broker, "in", "g")[0] == polled[0].offset  # past h1
     broker.client.delete(broker.keys.lease("in", 0, "g"))  # m1's lease ran out
-    assert release_key(broker, "in", "g", "fk1") == 1
-    got: list[bytes] = []
-
-    def released() -> bool:
-        got.extend(m.value for m in consumer.poll(timeout=0.3, max_messages=10))
-        return len(got) >= 2
-
-    wait_until(released, 15, "n1 and h1 handed out once fk1 is released")
-    assert got == [b"n1", b"h1"]
+    assert released_once_fk1_is(broker, consumer) == [b"n1", b"h1"]
     assert values_of(broker, "out") == [b"from n3"]
     consumer.close()
     producer.close()
@@ -396,14 +408,7 @@ def test_a_held_message_survives_an_aborted_transaction_that_passed_it(
     """As above, but m1's transaction aborts: n3 is polled again and acked outside any
     transaction, and m1 leaves (its commit passes h1). h1 is still recorded as held: once fk1
     is released, the next member hands it out."""
-    fk1_parked(broker, b"n1", b"n2")
-    with broker.producer() as plain:
-        plain.send("in", b"h1", key="fk1")
-        plain.send("in", b"n3", key="other")
-    consumer = driver.consumer("in", "g", "m1", **{**CONSUMER, "ack_interval_ms": 600_000})
-    producer = driver.producer("xf", transactional=True)
-    polled = wait_until(lambda: consumer.poll(timeout=0.5, max_messages=10), 10, "n3")
-    assert [m.value for m in polled] == [b"n3"]
+    consumer, producer, polled = h1_held_and_n3_polled(broker, driver)
     with pytest.raises(RuntimeError, match="changed my mind"):
         with producer.transaction() as tx:
             tx.send("out", b"from n3", key="other")
@@ -414,16 +419,8 @@ def test_a_held_message_survives_an_aborted_transaction_that_passed_it(
     consumer.ack(again)
     consumer.close()  # commits past h1
     assert committed_positions(broker, "in", "g")[0] == again[0].offset
-    assert release_key(broker, "in", "g", "fk1") == 1
     heir = driver.consumer("in", "g", "m2", **CONSUMER)
-    got: list[bytes] = []
-
-    def released() -> bool:
-        got.extend(m.value for m in heir.poll(timeout=0.3, max_messages=10))
-        return len(got) >= 2
-
-    wait_until(released, 15, "n1 and h1 handed out once fk1 is released")
-    assert got == [b"n1", b"h1"]
+    assert released_once_fk1_is(broker, heir) == [b"n1", b"h1"]
     assert values_of(broker, "out") == []
     heir.close()
     producer.close()
