@@ -10,7 +10,11 @@ ARGV[2]  the sender's retry horizon in ms: it may re-send a message for this lon
          first attempt (its delivery timeout, plus a margin for a request still on the wire)
 ARGV[3]  the sender's epoch ("": not checked, a producer without idempotence): refused when a
          newer epoch of its producer id is stored here (a newer instance of its name fenced it)
-ARGV[4...] per message: its schedule id, its delay in ms from now ("" when deliver_at is
+ARGV[4]  "1": the sender is a named producer (checked with ARGV[3]): a partition that does not
+         carry any epoch of its producer id refuses it (UNKNOWN_PRODUCER) until it proves its
+         epoch against its name's registration and stores it here, as the produce scripts do
+         (the state expired, the partition was added later, or Redis lost it)
+ARGV[5...] per message: its schedule id, its delay in ms from now ("" when deliver_at is
          given), deliver_at in ms since the epoch ("" when a delay is given), the message (the
          sender's producer id, a newline, the layout letters, a newline, then its RESP-encoded
          arguments; deliver_due.lua appends it with that producer id and no sequence)
@@ -27,6 +31,7 @@ delivered (due -1).
 Error replies
   TOPIC_NOT_FOUND                       the partition stream does not exist
   PRODUCER_FENCED stored=<e> got=<e>    a newer epoch of this producer id is stored here
+  UNKNOWN_PRODUCER stored=nil got=<e>   a named sender without its epoch here: nothing stored
 ]]
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
@@ -36,6 +41,9 @@ if ARGV[3] ~= '' then
   if stored and tonumber(stored) > tonumber(ARGV[3]) then
     return redis.error_reply('PRODUCER_FENCED stored=' .. stored .. ' got=' .. ARGV[3])
   end
+  if not stored and ARGV[4] == '1' then
+    return redis.error_reply('UNKNOWN_PRODUCER stored=nil got=' .. ARGV[3])
+  end
 end
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -43,7 +51,7 @@ local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local refuse_until = string.format('%.0f', now_ms + tonumber(ARGV[2])) .. '\n'
 local reply = {''}
 local flags = {}
-local at = 4
+local at = 5
 for i = 1, tonumber(ARGV[1]) do
   local id, delay, deliver_at, message = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
   at = at + 4

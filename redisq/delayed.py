@@ -27,7 +27,13 @@ from typing import Any
 
 import redis
 
-from redisq.errors import DeliveryTimeout, InvalidConfig, NotEnoughReplicas, ProducerFenced
+from redisq.errors import (
+    DeliveryTimeout,
+    InvalidConfig,
+    NotEnoughReplicas,
+    ProducerFenced,
+    UnknownProducer,
+)
 from redisq.keys import KeySpace
 from redisq.protocol import Command, Step
 from redisq.protocol import schedule as calls
@@ -169,6 +175,9 @@ class DelayedCore:
         self._timeout_s = settings.delivery_timeout_ms / 1000
         self._queues: dict[TopicPartition, deque[DelayedBatch]] = {}
         self._in_flight: set[TopicPartition] = set()
+        # UNKNOWN_PRODUCER (a named sender whose epoch the partition does not carry): nothing is
+        # sent there until the driver proved the epoch and stored it (partition_fenced()).
+        self.fences_needed: set[TopicPartition] = set()
         self.buffered = 0
         self.flush_requested = False
         self.finished: list[DelayedBatch] = []  # for the driver to signal, outside its lock
@@ -200,7 +209,7 @@ class DelayedCore:
         asked for (send(), flush()) or due for a retry."""
         picked = []
         for key, queue in self._queues.items():
-            if key in self._in_flight or not queue:
+            if key in self._in_flight or key in self.fences_needed or not queue:
                 continue
             head = queue[0]
             ready = head.sealed or self.flush_requested or now - head.opened >= self._linger_s
@@ -281,6 +290,8 @@ class DelayedCore:
         """A batch without an answer (or a retriable refusal) goes again after a backoff, the
         same messages with the same ids, until its deadline; other refusals end it."""
         self._in_flight.discard((batch.topic, batch.partition))
+        if isinstance(error, UnknownProducer) and now < batch.deadline:
+            self.fences_needed.add((batch.topic, batch.partition))  # nothing was stored
         retriable = isinstance(error, (*NETWORK_ERRORS, redis.ResponseError)) or bool(
             getattr(error, "retriable", False)
         )
@@ -300,6 +311,24 @@ class DelayedCore:
             f"acknowledged within delivery_timeout_ms={self.settings.delivery_timeout_ms} "
             f"(they {outcome}); last error: {error!r}"
         )
+
+    def fences_to_prove(self) -> list[TopicPartition]:
+        """The partitions that wait for the driver to prove the epoch (and have batches)."""
+        self.fences_needed = {key for key in self.fences_needed if self._queues.get(key)}
+        return sorted(self.fences_needed)
+
+    def partition_fenced(self, key: TopicPartition) -> None:
+        """The driver proved the epoch and stored it on this partition: its batches go again."""
+        self.fences_needed.discard(key)
+
+    def fence_failed(self, keys: list[TopicPartition], error: BaseException) -> None:
+        """Proving the epoch was refused (ProducerFenced): the batches of those partitions fail."""
+        for key in keys:
+            self.fences_needed.discard(key)
+            for batch in list(self._queues.get(key, ())):
+                if key not in self._in_flight or batch is not self._queues[key][0]:
+                    batch.error = error
+                    self._done(batch)
 
     def expire(self, now: float) -> None:
         """Fail the head batches (not on the wire) whose delivery timeout has passed."""

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from redisq import errors
+from redisq import identity as identity_ops
 from redisq.delayed import (
     DelayedBatch,
     DelayedCore,
@@ -21,6 +22,7 @@ from redisq.delayed import (
 from redisq.errors import ProducerClosed, TopicNotFound
 from redisq.futures import Waiter
 from redisq.futures import finished as signal_finished
+from redisq.protocol import run_operation
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS, Scheduler
@@ -234,6 +236,11 @@ class DelayedSender:
             self._signal_finished()
             if batches is None:
                 return
+            with self._cond:
+                needed = core.fences_to_prove()
+            if needed:
+                self._fence(needed)
+                continue
             if not batches:
                 continue
             steps = core.steps(keys, batches, self._identity())
@@ -248,6 +255,27 @@ class DelayedSender:
                 self._cond.notify_all()
             self._signal_finished()
 
+    def _fence(self, needed: list[tuple[str, int]]) -> None:
+        """UNKNOWN_PRODUCER: prove the epoch against the name's registration and store it on
+        the partitions before their batches go again (a fenced instance's fail)."""
+        try:
+            operation = identity_ops.prove_and_fence(self._broker.keys, self._identity(), needed)
+            run_operation(operation, self._broker.scripts.execute)
+        except NETWORK_ERRORS as exc:  # tried again; the batches' deadlines still hold
+            log.warning("delayed sends: cannot prove the epoch yet: %s", type(exc).__name__)
+            time.sleep(min(1.0, self._settings.retry_backoff_ms / 1000))
+            return
+        except Exception as exc:  # ProducerFenced: a newer instance has the name
+            with self._cond:
+                self._core.fence_failed(needed, exc)
+                self._cond.notify_all()
+            self._signal_finished()
+            return
+        with self._cond:
+            for key in needed:
+                self._core.partition_fenced(key)
+            self._cond.notify_all()
+
     def _next_batches(self) -> list[DelayedBatch] | None:
         """(Lock held.) Wait for batches to send; None once closed and empty."""
         core = self._core
@@ -255,7 +283,7 @@ class DelayedSender:
             now = time.monotonic()
             core.expire(now)
             batches = core.pick(now)
-            if batches or core.finished:
+            if batches or core.finished or core.fences_to_prove():
                 self._cond.notify_all()  # flush() waits for buffered to fall
                 return batches
             if self._closing and core.buffered == 0:

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from redisq import errors
-from redisq.asyncio.client import stop_task
+from redisq import identity as identity_ops
+from redisq.asyncio.client import run_operation, stop_task
 from redisq.asyncio.scheduler import Scheduler
 from redisq.delayed import (
     DelayedBatch,
@@ -241,9 +242,34 @@ class DelayedSender:
         if finished:
             self._progress.set()
 
+    async def _fence(self, needed: list[tuple[str, int]]) -> None:
+        """UNKNOWN_PRODUCER: prove the epoch against the name's registration and store it on
+        the partitions before their batches go again (a fenced instance's fail)."""
+        identity = self._identity()
+        assert identity is not None
+        try:
+            operation = identity_ops.prove_and_fence(self._broker.keys, identity, needed)
+            await run_operation(operation, self._broker.scripts)
+        except NETWORK_ERRORS as exc:  # tried again; the batches' deadlines still hold
+            log.warning("delayed sends: cannot prove the epoch yet: %s", type(exc).__name__)
+            self._core.expire(time.monotonic())
+            self._signal_finished()
+            await asyncio.sleep(min(1.0, self._settings.retry_backoff_ms / 1000))
+            return
+        except Exception as exc:  # ProducerFenced: a newer instance has the name
+            self._core.fence_failed(needed, exc)
+            self._signal_finished()
+            return
+        for key in needed:
+            self._core.partition_fenced(key)
+
     async def _run(self) -> None:
         core, keys = self._core, self._broker.keys
         while not self._halted:
+            needed = core.fences_to_prove()
+            if needed:
+                await self._fence(needed)
+                continue
             now = time.monotonic()
             core.expire(now)
             batches = core.pick(now)

@@ -55,7 +55,9 @@ def schedule(
     retry_horizon_ms: how long after this call the sender may still re-send one of them;
     fenced: refused (ProducerFenced) once a newer epoch of the identity is stored there."""
     epoch = identity.epoch if fenced else ""
-    args: list[Any] = [len(messages), retry_horizon_ms, epoch]
+    # A named sender must find its epoch on the partition (UNKNOWN_PRODUCER: prove it first).
+    named = "1" if fenced and identity.named else ""
+    args: list[Any] = [len(messages), retry_horizon_ms, epoch, named]
     for m in messages:
         args += [
             m.schedule_id,

@@ -1,0 +1,303 @@
+"""Adversarial tests of delayed messages (thread and asyncio APIs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+import redisq
+import redisq.asyncio as rq
+from redisq.errors import DeliveryTimeout, ProducerFenced
+from tests.history.proxy import Proxy
+from tests.servers import ServerProcess
+
+from tests.aio import aio
+
+
+def read_all(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
+    partitions = broker.describe_topic(topic).config.partitions
+    return [m for p in range(partitions) for m in broker.read(topic, p)]
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+# -- fencing of a named producer's delayed sends ------------------------------------------------
+
+
+def test_zombie_schedules_once_the_fence_state_expired(broker: redisq.Broker) -> None:
+    """README: "A fenced instance of a named producer is refused (ProducerFenced), as it is for
+    plain sends." The newer instance only sends delayed messages, so nothing renews the epoch
+    it stored on the partitions; once that state expires (producer_state_ttl_ms, 24 h by
+    default, 1 s here) the zombie's delayed sends are accepted again, while its plain sends are
+    still refused (UNKNOWN_PRODUCER -> proof against the name's registration)."""
+    broker.create_topic("orders", partitions=1, producer_state_ttl_ms=1000)
+    old = broker.producer(name="svc")
+    try:
+        old.send("orders", b"old", key="k", delay_ms=60_000)
+        with broker.producer(name="svc") as new:
+            new.send("orders", b"new", key="k", delay_ms=60_000)
+            with pytest.raises(ProducerFenced):  # while the fence state lives
+                old.send("orders", b"zombie-1", key="k", delay_ms=60_000)
+            time.sleep(1.5)  # the fence state on the partition expires
+            zombie_error: BaseException | None = None
+            try:
+                old.send("orders", b"zombie-2", key="k", delay_ms=60_000)
+            except ProducerFenced as exc:
+                zombie_error = exc
+            with pytest.raises(ProducerFenced):  # a plain send is still refused
+                old.send("orders", b"zombie-plain", key="k")
+    finally:
+        old.close()
+    scheduled = broker.describe_topic("orders").total_scheduled
+    assert zombie_error is not None, "the fenced instance's delayed send was acknowledged"
+    assert scheduled == 2, f"{scheduled} scheduled: the zombie's message was stored"
+
+
+@aio
+async def test_zombie_schedules_once_the_fence_state_expired_asyncio(
+    broker: redisq.Broker, server_url: str
+) -> None:
+    broker.create_topic("orders", partitions=1, producer_state_ttl_ms=1000)
+    abroker = await rq.connect(server_url, namespace=broker.namespace)
+    old = abroker.producer(name="svc")
+    await old.start()
+    zombie_error: BaseException | None = None
+    try:
+        await old.send("orders", b"old", key="k", delay_ms=60_000)
+        async with abroker.producer(name="svc") as new:
+            await new.send("orders", b"new", key="k", delay_ms=60_000)
+            with pytest.raises(ProducerFenced):
+                await old.send("orders", b"zombie-1", key="k", delay_ms=60_000)
+            await asyncio.sleep(1.5)
+            try:
+                await old.send("orders", b"zombie-2", key="k", delay_ms=60_000)
+            except ProducerFenced as exc:
+                zombie_error = exc
+    finally:
+        try:
+            await old.close()
+        except Exception:
+            pass
+        await abroker.close()
+    scheduled = broker.describe_topic("orders").total_scheduled
+    assert zombie_error is not None, "the fenced instance's delayed send was acknowledged"
+    assert scheduled == 2, f"{scheduled} scheduled: the zombie's message was stored"
+
+
+# -- delivery timeout under a silent network --------------------------------------------------
+
+
+def test_delayed_send_fails_within_its_delivery_timeout_on_a_silent_network(
+    proxied: tuple[ServerProcess, Proxy],
+) -> None:
+    """README: "Delivery timeout, held ... also while the network is silent (reads wait no
+    longer than the oldest batch's deadline)". A plain send gets DeliveryTimeout within
+    delivery_timeout_ms; a delayed send should too."""
+    server, proxy = proxied
+    broker = redisq.connect(proxy.url, namespace="advdl")
+    broker.create_topic("orders", partitions=1, exist_ok=True)
+    producer = broker.producer(delivery_timeout_ms=1500, retry_backoff_ms=10)
+    try:
+        producer.send("orders", b"warm", key="k")
+        producer.send("orders", b"warm-delayed", key="k", delay_ms=60_000)
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(DeliveryTimeout):
+            producer.send("orders", b"plain", key="k")
+        plain_s = time.monotonic() - started
+        started = time.monotonic()
+        with pytest.raises(DeliveryTimeout):
+            producer.send("orders", b"delayed", key="k", delay_ms=60_000)
+        delayed_s = time.monotonic() - started
+    finally:
+        proxy.heal()
+        proxy.reset_all()
+        producer.close(timeout=10)
+        broker.close()
+    assert plain_s < 4.0, f"plain send failed after {plain_s:.1f} s"
+    assert delayed_s < 4.0, f"delayed send with delivery_timeout_ms=1500 failed after {delayed_s:.1f} s"
+
+
+@aio
+async def test_delayed_send_fails_within_its_delivery_timeout_on_a_silent_network_asyncio(
+    proxied: tuple[ServerProcess, Proxy],
+) -> None:
+    server, proxy = proxied
+    broker = await rq.connect(proxy.url, namespace="advdla")
+    await broker.create_topic("orders", partitions=1, exist_ok=True)
+    producer = broker.producer(delivery_timeout_ms=1500, retry_backoff_ms=10)
+    await producer.start()
+    try:
+        await producer.send("orders", b"warm", key="k")
+        await producer.send("orders", b"warm-delayed", key="k", delay_ms=60_000)
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(DeliveryTimeout):
+            await asyncio.wait_for(producer.send("orders", b"plain", key="k"), 60)
+        plain_s = time.monotonic() - started
+        started = time.monotonic()
+        with pytest.raises(DeliveryTimeout):
+            await asyncio.wait_for(
+                producer.send("orders", b"delayed", key="k", delay_ms=60_000), 60
+            )
+        delayed_s = time.monotonic() - started
+    finally:
+        proxy.heal()
+        proxy.reset_all()
+        try:
+            await asyncio.wait_for(producer.close(), 20)
+        except Exception:
+            pass
+        await broker.close()
+    assert plain_s < 4.0, f"plain send failed after {plain_s:.1f} s"
+    assert delayed_s < 4.0, f"delayed send with delivery_timeout_ms=1500 failed after {delayed_s:.1f} s"
+
+
+# -- a late copy of a delayed batch that timed out ----------------------------------------------
+
+
+def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_of_its_key(
+    proxied: tuple[ServerProcess, Proxy],
+) -> None:
+    """README, Guarantees: "A message not acknowledged by then fails with DeliveryTimeout ...
+    Before anything else is sent, the producer takes a new epoch and stores it on every
+    partition where a failed batch went on the wire, so a late copy of it can never land after
+    newer messages of its key." With delayed sends the late copy of FIRST (same key, same
+    delay_ms as SECOND) is scheduled after SECOND and delivered after it."""
+    server, proxy = proxied
+    # socket_timeout=1: the producer gives up on the frozen connection in time (see the test
+    # above for what the default 30 s does to delayed sends).
+    broker = redisq.connect(proxy.url, namespace="advlate", socket_timeout=1)
+    broker.create_topic("orders", partitions=1, exist_ok=True)
+    direct = redisq.connect(server.url, namespace="advlate")
+    producer = broker.producer(delivery_timeout_ms=1500, retry_backoff_ms=10)
+    try:
+        producer.send("orders", b"warm", key="k")
+        proxy.trap(b"FIRST-MESSAGE")
+        with pytest.raises(DeliveryTimeout):
+            producer.send("orders", b"FIRST-MESSAGE", key="k", delay_ms=300)
+        held = proxy.held_connections()
+        assert held, "the first send's bytes are held by the proxy"
+        proxy.heal(keep=held)
+        second = producer.send("orders", b"SECOND", key="k", delay_ms=300)
+        assert not second.duplicate
+        time.sleep(0.05)  # the late copy comes a few ms after SECOND (not in the same ms)
+        proxy.release_held()  # the late copy of FIRST arrives now
+        assert proxy.wait_released(10)
+        wait_for(
+            lambda: direct.describe_topic("orders").total_scheduled == 0
+            and len(list(direct.read("orders", 0))) >= 2,
+            what="delivery",
+        )
+        time.sleep(0.5)
+    finally:
+        proxy.heal()
+        producer.close(timeout=10)
+        broker.close()
+    values = [m.value for m in direct.read("orders", 0) if m.value != b"warm"]
+    direct.close()
+    assert values in ([b"SECOND"], [b"FIRST-MESSAGE", b"SECOND"]), (
+        f"the late copy of a timed-out delayed send landed after a newer message of its key: "
+        f"{values}"
+    )
+
+
+@aio
+async def test_late_copy_of_a_timed_out_delayed_send_asyncio(
+    proxied: tuple[ServerProcess, Proxy],
+) -> None:
+    """The asyncio API: same as the thread test above."""
+    server, proxy = proxied
+    broker = await rq.connect(proxy.url, namespace="advlatea", socket_timeout=1)
+    await broker.create_topic("orders", partitions=1, exist_ok=True)
+    direct = redisq.connect(server.url, namespace="advlatea")
+    producer = broker.producer(delivery_timeout_ms=1500, retry_backoff_ms=10)
+    await producer.start()
+    try:
+        await producer.send("orders", b"warm", key="k")
+        proxy.trap(b"FIRST-MESSAGE")
+        with pytest.raises(DeliveryTimeout):
+            await asyncio.wait_for(
+                producer.send("orders", b"FIRST-MESSAGE", key="k", delay_ms=300), 60
+            )
+        held = proxy.held_connections()
+        assert held, "the first send's bytes are held by the proxy"
+        proxy.heal(keep=held)
+        second = await producer.send("orders", b"SECOND", key="k", delay_ms=300)
+        assert not second.duplicate
+        await asyncio.sleep(0.05)
+        proxy.release_held()
+        assert proxy.wait_released(10)
+        for _ in range(500):
+            if direct.describe_topic("orders").total_scheduled == 0 and len(
+                list(direct.read("orders", 0))
+            ) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)
+    finally:
+        proxy.heal()
+        try:
+            await asyncio.wait_for(producer.close(), 20)
+        except Exception:
+            pass
+        await broker.close()
+    values = [m.value for m in direct.read("orders", 0) if m.value != b"warm"]
+    direct.close()
+    assert values in ([b"SECOND"], [b"FIRST-MESSAGE", b"SECOND"]), (
+        f"the late copy of a timed-out delayed send landed after a newer message of its key: "
+        f"{values}"
+    )
+
+
+def test_a_named_producer_keeps_scheduling_after_its_state_expired(broker: redisq.Broker) -> None:
+    """The other side of the fence check: the current instance of a name, delayed sends only,
+    on a new topic and after its state on the partitions expired, is never refused."""
+    broker.create_topic("orders", partitions=2, producer_state_ttl_ms=1000)
+    with broker.producer(name="svc", retry_backoff_ms=10) as producer:
+        first = [producer.send("orders", b"a%d" % i, key=f"k{i}", delay_ms=300) for i in range(4)]
+        time.sleep(1.5)
+        later = [producer.send("orders", b"b%d" % i, key=f"k{i}", delay_ms=300) for i in range(4)]
+        assert not any(m.duplicate for m in first + later)
+        wait_for(lambda: len(read_all(broker, "orders")) == 8, what="delivery")
+    assert sorted(m.value for m in read_all(broker, "orders")) == sorted(
+        [b"a%d" % i for i in range(4)] + [b"b%d" % i for i in range(4)]
+    )
+
+
+@aio
+async def test_a_named_producer_keeps_scheduling_after_its_state_expired_asyncio(
+    broker: redisq.Broker, server_url: str
+) -> None:
+    broker.create_topic("orders", partitions=2, producer_state_ttl_ms=1000)
+    abroker = await rq.connect(server_url, namespace=broker.namespace)
+    try:
+        async with abroker.producer(name="svc", retry_backoff_ms=10) as producer:
+            first = [
+                await producer.send("orders", b"a%d" % i, key=f"k{i}", delay_ms=300)
+                for i in range(4)
+            ]
+            await asyncio.sleep(1.5)
+            futures = [
+                producer.send_async("orders", b"b%d" % i, key=f"k{i}", delay_ms=300)
+                for i in range(4)
+            ]
+            later = await asyncio.gather(*futures)
+            assert not any(m.duplicate for m in first + later)
+            for _ in range(250):
+                if len(read_all(broker, "orders")) == 8:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await abroker.close()
+    assert len(read_all(broker, "orders")) == 8
