@@ -125,7 +125,7 @@ class DelayedBatch:
 
     __slots__ = (
         "topic", "partition", "config", "messages", "opened", "deadline", "sealed",
-        "retry_at", "sent", "result", "error", "last_error", "waiter",
+        "retry_at", "sent", "result", "error", "last_error", "waiter", "size",
     )  # fmt: skip
 
     def __init__(self, config: TopicConfig, partition: int, now: float, timeout_s: float) -> None:
@@ -142,6 +142,7 @@ class DelayedBatch:
         self.error: BaseException | None = None
         self.last_error: BaseException | None = None
         self.waiter: Any = None  # the driver's completion signal
+        self.size = 0  # bytes of its messages (sealed at max_batch_bytes, as plain batches are)
 
     def metadata(self, index: int) -> RecordMetadata:
         assert self.result is not None
@@ -171,6 +172,7 @@ class DelayedCore:
         self.stats = stats if stats is not None else ProducerStats()  # the producer's counters
         self._on_sealed = on_sealed  # keyless messages move on to the next partition
         self._max_messages = settings.max_batch_messages
+        self._max_bytes = settings.max_batch_bytes
         self._linger_s = settings.linger_ms / 1000
         self._timeout_s = settings.delivery_timeout_ms / 1000
         self._queues: dict[TopicPartition, deque[DelayedBatch]] = {}
@@ -187,11 +189,15 @@ class DelayedCore:
     ) -> tuple[DelayedBatch, int, bool]:
         """Queue a message; (its batch, its index there, whether the batch was opened now)."""
         queue = self._queues.setdefault((config.name, partition), deque())
+        size = len(message.body) + len(message.schedule_id)
+        if queue and not queue[-1].sealed and queue[-1].size + size > self._max_bytes:
+            self.seal(queue[-1])  # full by bytes: this message opens the next batch
         opened = not queue or queue[-1].sealed
         if opened:
             queue.append(DelayedBatch(config, partition, now, self._timeout_s))
         batch = queue[-1]
         batch.messages.append(message)
+        batch.size += size
         self.buffered += 1
         self.stats.sent += 1
         if len(batch.messages) >= self._max_messages:

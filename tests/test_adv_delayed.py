@@ -301,3 +301,72 @@ async def test_a_named_producer_keeps_scheduling_after_its_state_expired_asyncio
     finally:
         await abroker.close()
     assert len(read_all(broker, "orders")) == 8
+
+
+# -- batch size ----------------------------------------------------------------------------------
+
+
+def test_delayed_batches_respect_max_batch_bytes(
+    broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: producer option `max_batch_bytes=1 MiB`. Plain batches are sealed at it; delayed
+    batches are sealed only at max_batch_messages (500), so 20 messages of 512 KiB go to the
+    server as one 10 MiB schedule.lua call (500 of 1 MiB would be one 500 MiB call)."""
+    from redisq.protocol import ScriptCall
+
+    broker.create_topic("orders", partitions=1)
+    real = broker.scripts.execute
+    sizes: dict[str, list[int]] = {"schedule": [], "produce": []}
+
+    def execute(steps):  # type: ignore[no-untyped-def]
+        for step in steps if isinstance(steps, list) else [steps]:
+            if isinstance(step, ScriptCall) and step.script == "schedule":
+                sizes["schedule"].append(sum(len(a) for a in step.args if isinstance(a, bytes)))
+        return real(steps)
+
+    monkeypatch.setattr(broker.scripts, "execute", execute)
+    value = b"x" * (512 * 1024)
+    with broker.producer(linger_ms=500) as producer:
+        futures = [producer.send_async("orders", value, key="k", delay_ms=60_000) for _ in range(20)]
+        for f in futures:
+            f.result(timeout=60)
+    assert broker.describe_topic("orders").total_scheduled == 20
+    biggest = max(sizes["schedule"])
+    assert biggest <= (1 << 20) + 4096, (
+        f"one schedule.lua call carried {biggest / 2**20:.1f} MiB with max_batch_bytes=1 MiB "
+        f"(calls: {[round(s / 2**20, 1) for s in sizes['schedule']]})"
+    )
+
+
+@aio
+async def test_delayed_batches_respect_max_batch_bytes_asyncio(
+    broker: redisq.Broker, server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redisq.protocol import ScriptCall
+
+    broker.create_topic("orders", partitions=1)
+    abroker = await rq.connect(server_url, namespace=broker.namespace)
+    real = abroker.scripts.execute
+    sizes: list[int] = []
+
+    async def execute(steps):  # type: ignore[no-untyped-def]
+        for step in steps if isinstance(steps, list) else [steps]:
+            if isinstance(step, ScriptCall) and step.script == "schedule":
+                sizes.append(sum(len(a) for a in step.args if isinstance(a, bytes)))
+        return await real(steps)
+
+    monkeypatch.setattr(abroker.scripts, "execute", execute)
+    value = b"x" * (512 * 1024)
+    try:
+        async with abroker.producer(linger_ms=500) as producer:
+            await producer.send("orders", b"warm", key="k", delay_ms=60_000)
+            futures = [
+                producer.send_async("orders", value, key="k", delay_ms=60_000) for _ in range(20)
+            ]
+            await asyncio.gather(*futures)
+    finally:
+        await abroker.close()
+    assert broker.describe_topic("orders").total_scheduled == 21
+    assert max(sizes) <= (1 << 20) + 4096, (
+        f"one schedule.lua call carried {max(sizes) / 2**20:.1f} MiB with max_batch_bytes=1 MiB"
+    )
