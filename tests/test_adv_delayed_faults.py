@@ -138,3 +138,48 @@ def test_schedulers_killed_stopped_and_server_stopped(kind: str) -> None:
         except ProcessLookupError:
             pass
         server.stop()
+
+
+@pytest.mark.parametrize("kind", ["valkey", "redis"])
+def test_server_sigkilled_mid_delivery_with_aof(kind: str) -> None:
+    """The server SIGKILLed (AOF, appendfsync always) while a scheduler process and a sending
+    producer run; restarted on the same port: every acknowledged delayed message once."""
+    server = ServerProcess(
+        binary_for(kind), config={"appendonly": "yes", "appendfsync": "always"}
+    ).start()
+    ns = "advaof"
+    broker = redisq.connect(server.url, namespace=ns)
+    child = None
+    try:
+        broker.create_topic("t", partitions=2)
+        child = start_scheduler(server.url, ns)
+        producer = redisq.connect(server.url, namespace=ns).producer(retry_backoff_ms=20)
+        futures = {}
+        for i in range(800):
+            v = b"d%05d" % i
+            futures[v] = producer.send_async("t", v, key=f"k{i % 10}", delay_ms=200 + i)
+            if i == 400:
+                time.sleep(0.4)  # deliveries under way
+                server.kill()
+                time.sleep(0.3)
+                server.start()
+            if i % 40 == 0:
+                time.sleep(0.01)
+        acked = set()
+        for v, f in futures.items():
+            if f.exception(60) is None:
+                acked.add(v)
+        producer.close()
+        deadline = time.monotonic() + 30
+        while broker.describe_topic("t").total_scheduled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        counts = Counter(m.value for p in range(2) for m in broker.read("t", p))
+        assert acked <= set(counts), f"lost {len(acked - set(counts))}"
+        assert [v for v, c in counts.items() if c > 1] == []
+        print("acked", len(acked), "stored", len(counts))
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+        server.stop()
