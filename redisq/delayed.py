@@ -84,7 +84,8 @@ def when(
 ) -> tuple[int | None, int | None]:
     """(delay_ms, deliver_at_ms) of arguments that passed check_when_types, checked against
     the topic's limit (InvalidConfig). A deliver_at in the past is due at once; how far ahead
-    it is is measured with this machine's clock, the due time itself is kept as given."""
+    it is is measured with this machine's clock, the due time itself is kept as given (from
+    1970 on)."""
     limit = config.retention_ms or MAX_DELAY_MS
     if delay_ms is not None:
         if not 1 <= delay_ms <= limit:
@@ -98,7 +99,7 @@ def when(
             f"deliver_at={deliver_at.isoformat()} is {ahead_ms:.0f} ms ahead, more than "
             f"{limit} ({_why(config)})"
         )
-    return None, at_ms
+    return None, max(0, at_ms)  # before 1970: due at once (due times are not negative)
 
 
 def _why(config: TopicConfig) -> str:

@@ -325,7 +325,10 @@ def test_bad_input_is_refused_with_nothing_stored(broker: redisq.Broker) -> None
         producer.send("short", b"ok", delay_ms=60_000)
         producer.send("orders", b"past", deliver_at=now - timedelta(hours=1))
         producer.send("orders", b"zone", deliver_at=datetime.now(timezone(timedelta(hours=-5))))
-        wait_for(lambda: len(read_all(broker, "orders")) == 2, what="the due ones")
+        # Before 1970: due at once, reported due at 0 (None would say "delivered already").
+        ancient = producer.send("orders", b"1969", deliver_at=datetime(1969, 12, 31, tzinfo=UTC))
+        assert ancient.deliver_at_ms == 0 and ancient.offset is None
+        wait_for(lambda: len(read_all(broker, "orders")) == 3, what="the due ones")
     assert broker.describe_topic("orders").total_scheduled == 0
     assert broker.describe_topic("short").total_scheduled == 1
 
