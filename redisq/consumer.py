@@ -142,6 +142,8 @@ class Consumer(Coordinator):
         for the first message."""
         self._start_use("poll")
         check_int("max_messages", max_messages, 1, 100_000)
+        if timeout != timeout:  # NaN: no deadline would ever pass
+            raise InvalidConfig("timeout is NaN")
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             messages = self._poll_once(max_messages)
@@ -199,7 +201,7 @@ class Consumer(Coordinator):
     def seek(self, partition: int | TopicPartition, offset: str) -> None:
         """Read this partition from `offset` (a stream ID, inclusive) next; orderly, held now.
         The committed position follows once what is read from there is handled."""
-        tp = self._tp(partition)
+        tp = self._held_tp(partition)
         with self._lock:
             reader = self._readers.get(tp)
             if reader is None:
@@ -214,7 +216,7 @@ class Consumer(Coordinator):
 
     def position(self, partition: int | TopicPartition) -> str:
         """The offset the next read of this partition starts after (or at, after a seek)."""
-        tp = self._tp(partition)
+        tp = self._held_tp(partition)
         with self._lock:
             reader = self._readers.get(tp)
             if reader is None:
@@ -240,7 +242,7 @@ class Consumer(Coordinator):
     def _set_paused(self, partitions: Iterable[int | TopicPartition], paused: bool) -> None:
         with self._lock:
             for partition in partitions:
-                owned = self.ownership.owned.get(self._tp(partition))
+                owned = self.ownership.owned.get(self._held_tp(partition))
                 if owned is None:
                     raise InvalidConfig(f"{partition} is not assigned to {self.name}")
                 owned.paused = paused
@@ -282,7 +284,12 @@ class Consumer(Coordinator):
             # What the coordinator took up while the partitions above were finished (an acquire
             # answered meanwhile), and acquires it had no answer to.
             for tp in list(self.ownership.owned):
-                self._finish(tp)
+                worker = self._workers.get(tp)
+                if worker is None or not worker.is_alive():
+                    # A worker still in its handler after the timeout keeps the lease (it
+                    # runs out, unrenewed, or the worker hands over when it stops): releasing
+                    # it would give the partition to another member while the handler runs.
+                    self._finish(tp)
             with self._lock:
                 for tp in list(self.ownership.requests):
                     self.ownership.give_up(tp)
@@ -389,6 +396,15 @@ class Consumer(Coordinator):
         if len(self.topics) != 1:
             raise InvalidConfig("name the partition as (topic, partition): several topics")
         return (self.topics[0], partition)
+
+    def _held_tp(self, partition: int | TopicPartition) -> TopicPartition:
+        """_tp for seek, position, pause and resume: a partition number is an int (True or
+        1.0 would find partition 1 by hash and equality, and act on it)."""
+        tp = self._tp(partition)
+        number = tp[1] if len(tp) == 2 else None
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise InvalidConfig(f"{partition!r} is not assigned to {self.name}")
+        return tp
 
     # -- run: one worker thread per partition ----------------------------------------------------
     def _start_worker(self, tp: TopicPartition) -> None:

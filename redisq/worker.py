@@ -128,8 +128,11 @@ class Worker(threading.Thread):
                 with consumer._lock:
                     free = reader.released(parked_now)
                 if free:
-                    for message in self.io.fetch_offsets(self.tp, free):
-                        self._handle_one(reader, message, lane=False)
+                    try:
+                        for message in self.io.fetch_offsets(self.tp, free):
+                            self._handle_one(reader, message, lane=False)
+                    except _Retry:  # a seek while one of them was retried
+                        pass
                     continue
             # Caught up (the last read was not a full batch): commit what was handled, then
             # wait for entries and read them in one round trip, no longer than the lease allows.
@@ -343,6 +346,7 @@ class Worker(threading.Thread):
         consumer = self.consumer
         handler = consumer.handler_for_workers()
         steps = handle_under_policy(message, self.policy)
+        moves = reader.moves if reader is not None else 0
         try:
             step = next(steps)
             if failure is not None:
@@ -366,6 +370,13 @@ class Worker(threading.Thread):
                     step = next(steps)
                 else:
                     self._sleep_while_owned(step.delay_s)
+                    if reader is not None and reader.moves != moves:
+                        raise _Retry  # sought away (or past it): read from where it jumped to
+                    if reader is not None and reader.blocked == message.offset and self._gone(
+                        message
+                    ):  # a blocked message deleted (XDEL, retention): passed over
+                        self._handled(reader, message, lane, unblock=True)
+                        return
                     consumer.stats.retries += 1
                     step = next(steps)
         except StopIteration as done:
@@ -376,6 +387,13 @@ class Worker(threading.Thread):
             return
         consumer.note_handled(1)
         self._handled(reader, message, lane, unblock=outcome.was_blocked)
+
+    def _gone(self, message: Message) -> bool:
+        """The message is no longer in the partition (deleted or trimmed while blocked)."""
+        try:
+            return not self.io.fetch_offsets(self.tp, [message.offset])
+        except redis.RedisError:
+            return False
 
     def _handled(
         self, reader: OrderlyPartition | None, message: Message, lane: bool, *, unblock: bool
@@ -469,4 +487,5 @@ class Worker(threading.Thread):
 
 
 class _Retry(Exception):
-    """A malformed entry blocks: the worker reads the partition again from it."""
+    """A malformed entry blocks, or a seek came while a message was retried: the worker reads
+    the partition again from its position."""

@@ -117,6 +117,8 @@ class Consumer(Coordinator):
         self._start_use("poll")
         await self.start()
         check_int("max_messages", max_messages, 1, 100_000)
+        if timeout != timeout:  # NaN: no deadline would ever pass
+            raise InvalidConfig("timeout is NaN")
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             messages = await self._poll_once(max_messages)
@@ -164,7 +166,7 @@ class Consumer(Coordinator):
             raise LeaseLost(f"{', '.join(f'{t}/{p}' for t, p in lost)} no longer held")
 
     def seek(self, partition: int | TopicPartition, offset: str) -> None:
-        tp = self._tp(partition)
+        tp = self._held_tp(partition)
         reader = self._readers.get(tp)
         if reader is None:
             raise InvalidConfig(f"{tp[0]}/{tp[1]} is not assigned to {self.name}")
@@ -175,7 +177,7 @@ class Consumer(Coordinator):
         self.seek(partition, f"{timestamp_ms}-0")
 
     def position(self, partition: int | TopicPartition) -> str:
-        tp = self._tp(partition)
+        tp = self._held_tp(partition)
         reader = self._readers.get(tp)
         if reader is None:
             raise InvalidConfig(f"{tp[0]}/{tp[1]} is not assigned to {self.name}")
@@ -192,7 +194,7 @@ class Consumer(Coordinator):
 
     def _set_paused(self, partitions: Iterable[int | TopicPartition], paused: bool) -> None:
         for partition in partitions:
-            owned = self.ownership.owned.get(self._tp(partition))
+            owned = self.ownership.owned.get(self._held_tp(partition))
             if owned is None:
                 raise InvalidConfig(f"{partition} is not assigned to {self.name}")
             owned.paused = paused
@@ -348,6 +350,15 @@ class Consumer(Coordinator):
         if len(self.topics) != 1:
             raise InvalidConfig("name the partition as (topic, partition): several topics")
         return (self.topics[0], partition)
+
+    def _held_tp(self, partition: int | TopicPartition) -> TopicPartition:
+        """_tp for seek, position, pause and resume: a partition number is an int (True or
+        1.0 would find partition 1 by hash and equality, and act on it)."""
+        tp = self._tp(partition)
+        number = tp[1] if len(tp) == 2 else None
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise InvalidConfig(f"{partition!r} is not assigned to {self.name}")
+        return tp
 
     # -- run: one task per partition -------------------------------------------------------------
     def _start_worker(self, tp: TopicPartition) -> None:

@@ -38,7 +38,8 @@ class Stop(Exception):
 
 
 class _Retry(Exception):
-    """A malformed entry blocks: read the partition again from it."""
+    """A malformed entry blocks, or a seek came while a message was retried: read the
+    partition again from its position."""
 
 
 class _Paused(Exception):
@@ -119,8 +120,11 @@ class _Handling:
             if reader.parked_check_due(time.monotonic()):
                 free = reader.released(await self.io.parked_now(self.tp))
                 if free:
-                    for message in await self.io.fetch_offsets(self.tp, free):
-                        await self.handle_one(reader, message, lane=False)
+                    try:
+                        for message in await self.io.fetch_offsets(self.tp, free):
+                            await self.handle_one(reader, message, lane=False)
+                    except _Retry:  # a seek while one of them was retried
+                        pass
                     continue
             # Caught up (the last read was not a full batch): commit what was handled, then
             # wait for entries and read them in one round trip, no longer than the lease allows.
@@ -281,6 +285,7 @@ class _Handling:
         first attempt was made already and failed with it."""
         consumer = self.consumer
         steps = handle_under_policy(message, self.policy)
+        moves = reader.moves if reader is not None else 0
         try:
             step = next(steps)
             if failure is not None:
@@ -299,6 +304,15 @@ class _Handling:
                     step = next(steps)
                 else:
                     await self.sleep_while_owned(step.delay_s)
+                    if reader is not None and reader.moves != moves:
+                        raise _Retry  # sought away (or past it): read from where it jumped to
+                    if reader is not None and reader.blocked == message.offset and (
+                        await self.gone(message)
+                    ):  # a blocked message deleted (XDEL, retention): passed over
+                        reader.unblocked(time.monotonic())
+                        if not lane or message.offset in reader.held:
+                            reader.handled(message, time.monotonic())
+                        return
                     consumer.stats.retries += 1
                     step = next(steps)
         except StopIteration as done:
@@ -315,6 +329,13 @@ class _Handling:
             reader.unblocked(time.monotonic())
         if not lane or message.offset in reader.held:
             reader.handled(message, time.monotonic())
+
+    async def gone(self, message: Message) -> bool:
+        """The message is no longer in the partition (deleted or trimmed while blocked)."""
+        try:
+            return not await self.io.fetch_offsets(self.tp, [message.offset])
+        except redis.RedisError:
+            return False
 
     async def dead_letter(
         self,
