@@ -130,6 +130,10 @@ class Worker(threading.Thread):
                 if free:
                     try:
                         for message in self.io.fetch_offsets(self.tp, free):
+                            if self._paused():  # no further message starts; the rest stay
+                                with consumer._lock:  # held, released again after resume()
+                                    reader.next_parked_check = 0.0
+                                break
                             self._handle_one(reader, message, lane=False)
                     except _Retry:  # a seek while one of them was retried
                         pass

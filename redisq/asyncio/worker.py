@@ -122,6 +122,10 @@ class _Handling:
                 if free:
                     try:
                         for message in await self.io.fetch_offsets(self.tp, free):
+                            owned = consumer.ownership.owned.get(self.tp)
+                            if owned is not None and owned.paused:  # the rest stay held,
+                                reader.next_parked_check = 0.0  # released again after resume()
+                                break
                             await self.handle_one(reader, message, lane=False)
                     except _Retry:  # a seek while one of them was retried
                         pass
