@@ -108,11 +108,15 @@ class Consumer(Coordinator):
         """Call handler(message) for every message; its return commits it, a raise means retry
         (then the failure policy). Blocks until close() (from another thread or a signal
         handler), timeout seconds, idle_timeout seconds without a message, or max_messages
-        handled; the consumer is closed when run() returns. Returns the messages handled."""
+        handled; the consumer is closed when run() returns. Returns the messages handled:
+        at most max_messages (a message dead-lettered counts towards it as taken)."""
         if not callable(handler):
             raise TypeError(f"handler must be callable, not {type(handler).__name__}")
         self._start_use("run")
+        if max_messages is not None:
+            check_int("max_messages", max_messages, 1)
         self._handler = handler
+        self._budget = max_messages
         started = time.monotonic()
         handled_before = self.stats.handled
         self._last_handled = started
@@ -127,7 +131,9 @@ class Consumer(Coordinator):
                     break
                 if idle_timeout is not None and now - self._last_handled >= idle_timeout:
                     break
-                if max_messages is not None and self.stats.handled - handled_before >= max_messages:
+                if max_messages is not None and (
+                    self.stats.handled - handled_before >= max_messages or self._budget == 0
+                ):  # every message it may take was taken: the handlers under way finish
                     break
                 self._stopping.wait(0.05)
         finally:

@@ -110,6 +110,9 @@ class Coordinator:
         self._closed = False
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
+        # run(max_messages=N): how many more messages may start (None: no limit)
+        self._budget: int | None = None
+        self._budget_lock = threading.Lock()
         # Consumers deliver their topics' delayed messages (redisq.scheduler), from the
         # coordinator thread's start until it stops.
         self._scheduler = Scheduler(broker, start=False)
@@ -399,6 +402,17 @@ class Coordinator:
     def handler_for_workers(self) -> Callable[[Message], Any]:
         assert self._handler is not None
         return self._handler
+
+    def take_message(self) -> bool:
+        """run(max_messages=N): one more message may go to the handler (False once N went:
+        the worker stops before it, and the message is read again by the next owner)."""
+        if self._budget is None:
+            return True
+        with self._budget_lock:
+            if self._budget <= 0:
+                return False
+            self._budget -= 1
+            return True
 
     def note_handled(self, count: int) -> None:
         self.stats.handled += count

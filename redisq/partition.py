@@ -283,7 +283,12 @@ class PartitionIO:
 
     # -- concurrent: the Redis consumer group ----------------------------------------------------
     def read_group(
-        self, tp: TopicPartition, count: int, ack_ids: list[str], block_ms: int | None
+        self,
+        tp: TopicPartition,
+        count: int,
+        ack_ids: list[str],
+        block_ms: int | None,
+        start: str = ">",
     ) -> list[Any]:
         """XACK what was handled and XREADGROUP ">" in one write (BLOCK when waiting): the
         entries read, raw (for decode_entries or decode_lazily)."""
@@ -291,14 +296,17 @@ class PartitionIO:
         read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
         if block_ms is not None:
             read += ("BLOCK", block_ms)
-        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, ">")]
+        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, start)]
         if ack_ids:
             commands.insert(0, ("XACK", stream, self.group, *ack_ids))
         replies = self._exchange(stream, commands)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return stream_entries(replies[-1])
+        entries = stream_entries(replies[-1])
+        if start != ">":  # this member's pending entries: one deleted since comes without fields
+            entries = [entry for entry in entries if entry[1] is not None]
+        return entries
 
     def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         """XAUTOCLAIM entries pending longer than claim_idle_ms (a dead member's), now and

@@ -62,6 +62,8 @@ class Worker(threading.Thread):
         self._lanes: ThreadPoolExecutor | None = None
         self._pending_acks: list[str] = []
         self._ack_since = 0.0
+        # concurrent: a pause stopped a read part way; its rest is pending on this member
+        self._own_pending = False
 
     def run(self) -> None:
         try:
@@ -231,7 +233,7 @@ class Worker(threading.Thread):
         pending_acks = self._pending_acks
         run_last = ""  # orderly: the run handled, the position not moved over it yet
         run = 0
-        owned = ownership.owned.get(tp) if reader is not None else None
+        owned = ownership.owned.get(tp)
         margin = ownership.margin_s
         try:
             for message in messages:
@@ -259,6 +261,8 @@ class Worker(threading.Thread):
                     ):  # fmt: skip
                         raise _Stop
                 elif stopping.is_set() or tp not in ownership.owned:
+                    raise _Stop
+                if not consumer.take_message():  # run(max_messages=N): N taken
                     raise _Stop
                 stats.consumed += 1
                 try:
@@ -326,6 +330,8 @@ class Worker(threading.Thread):
         if message.__class__ is MalformedMessage:
             self._on_malformed(reader, message, lane)
             return
+        if not consumer.take_message():  # run(max_messages=N): N taken
+            raise _Stop
         consumer.stats.consumed += 1
         self._attempts(reader, message, lane=lane)
 
@@ -467,7 +473,18 @@ class Worker(threading.Thread):
         consumer = self.consumer
         batch = self.settings.batch_size
         while self._may_handle():
+            if self._paused():  # pause(): nothing read, nothing started
+                self._flush_group_acks()
+                time.sleep(0.05)
+                continue
             try:
+                if self._own_pending:  # what a pause left: this member's pending entries
+                    ids = self._pending_acks[:1000]
+                    entries = self.io.read_group(self.tp, batch, ids, None, start="0")
+                    del self._pending_acks[: len(ids)]
+                    self._own_pending = len(entries) >= batch
+                    self._handle_plain(None, decode_lazily(*self.tp, entries))
+                    continue
                 claimed = self.io.claim_idle(self.tp, batch)
                 if claimed:
                     self._handle_plain(None, claimed)
@@ -476,6 +493,8 @@ class Worker(threading.Thread):
                 entries = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self._pending_acks[: len(ids)]
                 self._handle_plain(None, decode_lazily(*self.tp, entries))
+            except _Paused:
+                self._own_pending = True
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", consumer.name, *self.tp, exc)
                 time.sleep(0.2)

@@ -88,8 +88,11 @@ class Consumer(Coordinator):
             raise TypeError(f"handler must be callable, not {type(handler).__name__}")
         self._start_use("run")
         await self.start()
+        if max_messages is not None:
+            check_int("max_messages", max_messages, 1)
         self._handler = handler
         self._handler_is_async = is_async_handler(handler)
+        self._budget = max_messages
         started = time.monotonic()
         handled_before = self.stats.handled
         self._last_handled = started
@@ -102,7 +105,9 @@ class Consumer(Coordinator):
                     break
                 if idle_timeout is not None and now - self._last_handled >= idle_timeout:
                     break
-                if max_messages is not None and self.stats.handled - handled_before >= max_messages:
+                if max_messages is not None and (
+                    self.stats.handled - handled_before >= max_messages or self._budget == 0
+                ):  # every message it may take was taken: the handlers under way finish
                     break
                 try:
                     await asyncio.wait_for(self._stopping.wait(), 0.05)

@@ -103,6 +103,8 @@ class Coordinator:
         self._halted = False
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
+        # run(max_messages=N): how many more messages may start (None: no limit)
+        self._budget: int | None = None
         # Consumers deliver their topics' delayed messages (redisq.scheduler) while the
         # coordinator task runs.
         self._scheduler = Scheduler(broker, start=False)
@@ -403,6 +405,15 @@ class Coordinator:
         except Exception as exc:
             return exc
         return None
+
+    def take_message(self) -> bool:
+        """See redisq.coordinator.Coordinator.take_message."""
+        if self._budget is None:
+            return True
+        if self._budget <= 0:
+            return False
+        self._budget -= 1
+        return True
 
     def note_handled(self, count: int) -> None:
         self.stats.handled += count

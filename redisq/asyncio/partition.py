@@ -170,21 +170,29 @@ class AsyncPartitionIO:
 
     # -- concurrent ------------------------------------------------------------------------------
     async def read_group(
-        self, tp: TopicPartition, count: int, ack_ids: list[str], block_ms: int | None
+        self,
+        tp: TopicPartition,
+        count: int,
+        ack_ids: list[str],
+        block_ms: int | None,
+        start: str = ">",
     ) -> list[Any]:
         """See redisq.partition.PartitionIO.read_group (raw entries)."""
         stream = self._keys.log(*tp)
         read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
         if block_ms is not None:
             read += ("BLOCK", block_ms)
-        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, ">")]
+        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, start)]
         if ack_ids:
             commands.insert(0, ("XACK", stream, self.group, *ack_ids))
         replies = await self._exchange(stream, commands)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return stream_entries(replies[-1])
+        entries = stream_entries(replies[-1])
+        if start != ">":  # this member's pending entries: one deleted since comes without fields
+            entries = [entry for entry in entries if entry[1] is not None]
+        return entries
 
     async def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         now = time.monotonic()

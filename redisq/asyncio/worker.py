@@ -84,6 +84,8 @@ class _Handling:
         self.settings = consumer.settings
         self.policy = consumer.policy
         self.pending_acks: list[str] = []
+        # concurrent: a pause stopped a read part way; its rest is pending on this member
+        self.own_pending = False
 
     def may_handle(self) -> bool:
         consumer = self.consumer
@@ -226,7 +228,7 @@ class _Handling:
         stats = consumer.stats
         tp = self.tp
         monotonic = time.monotonic
-        owned = ownership.owned.get(tp) if reader is not None else None
+        owned = ownership.owned.get(tp)
         margin = ownership.margin_s
         for message in messages:
             if owned is not None and owned.paused:  # pause(): no further message starts
@@ -241,6 +243,8 @@ class _Handling:
                 ):  # fmt: skip
                     raise Stop
             elif stopping.is_set() or tp not in ownership.owned:
+                raise Stop
+            if not consumer.take_message():  # run(max_messages=N): N taken
                 raise Stop
             stats.consumed += 1
             failure = await call_handler(message)
@@ -266,6 +270,8 @@ class _Handling:
         if message.__class__ is MalformedMessage:
             await self.on_malformed(reader, message, lane)
             return
+        if not consumer.take_message():  # run(max_messages=N): N taken
+            raise Stop
         consumer.stats.consumed += 1
         await self.attempts(reader, message, lane=lane)
 
@@ -390,7 +396,19 @@ class _Handling:
     async def concurrent(self) -> None:
         batch = self.settings.batch_size
         while self.may_handle():
+            owned = self.consumer.ownership.owned.get(self.tp)
+            if owned is not None and owned.paused:  # pause(): nothing read, nothing started
+                await self.flush_group_acks()
+                await asyncio.sleep(0.05)
+                continue
             try:
+                if self.own_pending:  # what a pause left: this member's pending entries
+                    ids = self.pending_acks[:1000]
+                    entries = await self.io.read_group(self.tp, batch, ids, None, start="0")
+                    del self.pending_acks[: len(ids)]
+                    self.own_pending = len(entries) >= batch
+                    await self.handle_plain(None, decode_lazily(*self.tp, entries))
+                    continue
                 claimed = await self.io.claim_idle(self.tp, batch)
                 if claimed:
                     await self.handle_plain(None, claimed)
@@ -399,6 +417,8 @@ class _Handling:
                 entries = await self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self.pending_acks[: len(ids)]
                 await self.handle_plain(None, decode_lazily(*self.tp, entries))
+            except _Paused:
+                self.own_pending = True
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", self.consumer.name, *self.tp, exc)
                 await asyncio.sleep(0.2)
