@@ -15,6 +15,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -101,6 +102,12 @@ class Coordinator:
         self._memberships: dict[str, GroupMembership] = {}
         self.io = PartitionIO(broker, self.group, self.name, settings, self.policy)
         self._readers: dict[TopicPartition, OrderlyPartition] = {}
+        # One commit of a reader on the wire at a time: two sent at once (commit() from one
+        # thread, an ack's or the worker's from another) can arrive in either order, and an
+        # earlier position arriving last would move the group back.
+        self._commit_locks: weakref.WeakKeyDictionary[OrderlyPartition, threading.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
         self._workers: dict[TopicPartition, threading.Thread] = {}
         self._handler: Callable[[Message], Any] | None = None
         self._use: str | None = None  # "poll" or "run"
@@ -371,22 +378,29 @@ class Coordinator:
         waiting read)."""
         with self._lock:
             reader = self._readers.get(tp)
-            commit = reader.take_commit() if reader is not None else None
-        if reader is None or commit is None:
-            return False
-        try:
-            (send or self.io.commit)(reader.lease, commit)
-        except LeaseLost:
-            self.stats.fenced_commits += 1
+            if reader is None:
+                return False
+            sending = self._commit_locks.get(reader)
+            if sending is None:
+                sending = self._commit_locks[reader] = threading.Lock()
+        with sending:  # after the commit under way, if any (it may fail and come back)
             with self._lock:
-                self._lease_lost(tp)
-            raise
-        except redis.RedisError:
+                commit = reader.take_commit()
+            if commit is None:
+                return False
+            try:
+                (send or self.io.commit)(reader.lease, commit)
+            except LeaseLost:
+                self.stats.fenced_commits += 1
+                with self._lock:
+                    self._lease_lost(tp)
+                raise
+            except redis.RedisError:
+                with self._lock:
+                    reader.commit_failed(commit, time.monotonic())
+                raise
             with self._lock:
-                reader.commit_failed(commit, time.monotonic())
-            raise
-        with self._lock:
-            reader.committed(commit)
+                reader.committed(commit)
         self.stats.commits += 1
         return True
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import re
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -90,6 +91,10 @@ class Coordinator:
         self._start_ids: dict[str, str] = {}
         self.io = AsyncPartitionIO(broker, self.group, self.name, settings)
         self._readers: dict[TopicPartition, OrderlyPartition] = {}
+        # one commit of a reader on the wire at a time (see redisq.coordinator)
+        self._commit_locks: weakref.WeakKeyDictionary[OrderlyPartition, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
         self._workers: dict[TopicPartition, asyncio.Task[None]] = {}
         self._handler: Callable[[Message], Any] | None = None
         self._handler_is_async = False
@@ -369,19 +374,25 @@ class Coordinator:
     ) -> bool:
         """See redisq.coordinator.Coordinator._commit."""
         reader = self._readers.get(tp)
-        commit = reader.take_commit() if reader is not None else None
-        if reader is None or commit is None:
+        if reader is None:
             return False
-        try:
-            await (send or self.io.commit)(reader.lease, commit)
-        except LeaseLost:
-            self.stats.fenced_commits += 1
-            self._lease_lost(tp)
-            raise
-        except (redis.RedisError, asyncio.CancelledError):  # a cancel: close() commits it again
-            reader.commit_failed(commit, time.monotonic())
-            raise
-        reader.committed(commit)
+        sending = self._commit_locks.get(reader)
+        if sending is None:
+            sending = self._commit_locks[reader] = asyncio.Lock()
+        async with sending:  # one commit of a reader on the wire at a time (see the thread's)
+            commit = reader.take_commit()
+            if commit is None:
+                return False
+            try:
+                await (send or self.io.commit)(reader.lease, commit)
+            except LeaseLost:
+                self.stats.fenced_commits += 1
+                self._lease_lost(tp)
+                raise
+            except (redis.RedisError, asyncio.CancelledError):  # a cancel: close() commits again
+                reader.commit_failed(commit, time.monotonic())
+                raise
+            reader.committed(commit)
         self.stats.commits += 1
         return True
 
