@@ -382,8 +382,10 @@ class Worker(threading.Thread):
                     self._sleep_while_owned(step.delay_s)
                     if reader is not None and reader.moves != moves:
                         raise _Retry  # sought away (or past it): read from where it jumped to
-                    if reader is not None and reader.blocked == message.offset and self._gone(
-                        message
+                    if (
+                        reader is not None
+                        and reader.blocked == message.offset
+                        and self._gone(message)
                     ):  # a blocked message deleted (XDEL, retention): passed over
                         self._handled(reader, message, lane, unblock=True)
                         return

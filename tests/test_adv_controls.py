@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -234,7 +233,7 @@ def test_seek_during_retries_with_key_lanes(broker: redisq.Broker) -> None:
         thread.join(10)
 
 
-# -- bad input to the controls -----------------------------------------------------------------------
+# -- bad input to the controls ---------------------------------------------------------------
 def test_a_bool_or_float_is_no_partition_to_seek_or_pause(broker: redisq.Broker) -> None:
     """seek(True, ...) moved partition 1 (True == 1, same hash), while committed(True) refuses
     it; poll(timeout=nan) never returned."""

@@ -46,9 +46,10 @@ def test_concurrent_member_frozen_or_killed_with_unacked_entries(
     try:
         wait_until(lambda: client.llen(events) >= 30, what="the victim handling")
         os.kill(proc.pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-        stuck = client.xpending(broker.keys.log("t", 0), "g")["pending"] + client.xpending(
-            broker.keys.log("t", 1), "g"
-        )["pending"]
+        stuck = (
+            client.xpending(broker.keys.log("t", 0), "g")["pending"]
+            + client.xpending(broker.keys.log("t", 1), "g")["pending"]
+        )
         local: list[tuple[int, str]] = []
         survivor = broker.consumer(
             "t", "g", "survivor", mode="concurrent", lease_ttl_ms=1500, claim_idle_ms=500

@@ -27,7 +27,9 @@ def test_run_max_messages_is_a_maximum(broker: redisq.Broker) -> None:
     fill(broker, 2000)
     seen: list[tuple[int, str]] = []
     with broker.consumer("t", "g") as consumer:
-        returned = consumer.run(lambda m: seen.append((m.partition, m.offset)), max_messages=5, timeout=30)
+        returned = consumer.run(
+            lambda m: seen.append((m.partition, m.offset)), max_messages=5, timeout=30
+        )
     assert (returned, len(seen)) == (5, 5)
     # what it did not take comes next, once each; nothing it handled comes again
     with broker.consumer("t", "g") as consumer:

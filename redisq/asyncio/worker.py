@@ -316,8 +316,10 @@ class _Handling:
                     await self.sleep_while_owned(step.delay_s)
                     if reader is not None and reader.moves != moves:
                         raise _Retry  # sought away (or past it): read from where it jumped to
-                    if reader is not None and reader.blocked == message.offset and (
-                        await self.gone(message)
+                    if (
+                        reader is not None
+                        and reader.blocked == message.offset
+                        and (await self.gone(message))
                     ):  # a blocked message deleted (XDEL, retention): passed over
                         reader.unblocked(time.monotonic())
                         if not lane or message.offset in reader.held:
