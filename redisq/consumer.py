@@ -290,8 +290,8 @@ class Consumer(Coordinator):
             # What the coordinator took up while the partitions above were finished (an acquire
             # answered meanwhile), and acquires it had no answer to.
             for tp in list(self.ownership.owned):
-                worker = self._workers.get(tp)
-                if worker is None or not worker.is_alive():
+                running = self._workers.get(tp)
+                if running is None or not running.is_alive():
                     # A worker still in its handler after the timeout keeps the lease (it
                     # runs out, unrenewed, or the worker hands over when it stops): releasing
                     # it would give the partition to another member while the handler runs.

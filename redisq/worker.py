@@ -235,6 +235,7 @@ class Worker(threading.Thread):
         run = 0
         owned = ownership.owned.get(tp)
         margin = ownership.margin_s
+        limited = consumer._budget is not None  # run(max_messages=N): counted
         try:
             for message in messages:
                 if owned is not None and owned.paused:  # pause(): no further message starts
@@ -262,7 +263,7 @@ class Worker(threading.Thread):
                         raise _Stop
                 elif stopping.is_set() or tp not in ownership.owned:
                     raise _Stop
-                if not consumer.take_message():  # run(max_messages=N): N taken
+                if limited and not consumer.take_message():  # run(max_messages=N)
                     raise _Stop
                 stats.consumed += 1
                 try:

@@ -230,6 +230,7 @@ class _Handling:
         monotonic = time.monotonic
         owned = ownership.owned.get(tp)
         margin = ownership.margin_s
+        limited = consumer._budget is not None  # run(max_messages=N): counted
         for message in messages:
             if owned is not None and owned.paused:  # pause(): no further message starts
                 raise _Paused(message.offset)
@@ -244,7 +245,7 @@ class _Handling:
                     raise Stop
             elif stopping.is_set() or tp not in ownership.owned:
                 raise Stop
-            if not consumer.take_message():  # run(max_messages=N): N taken
+            if limited and not consumer.take_message():  # run(max_messages=N)
                 raise Stop
             stats.consumed += 1
             failure = await call_handler(message)
