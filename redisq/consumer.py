@@ -38,7 +38,7 @@ from redisq.dispatch import (
 )
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.idempotent import IdempotentHandler
-from redisq.ownership import TopicPartition
+from redisq.ownership import TopicPartition, held_partition, topic_partition
 from redisq.protocol.group import Lease
 from redisq.protocol.transactions import InputPosition
 from redisq.records import Message
@@ -397,20 +397,10 @@ class Consumer(Coordinator):
         return self.io.fetch_offsets(tp, free) if free else []
 
     def _tp(self, partition: int | TopicPartition) -> TopicPartition:
-        if isinstance(partition, tuple):
-            return partition
-        if len(self.topics) != 1:
-            raise InvalidConfig("name the partition as (topic, partition): several topics")
-        return (self.topics[0], partition)
+        return topic_partition(self.topics, partition)
 
     def _held_tp(self, partition: int | TopicPartition) -> TopicPartition:
-        """_tp for seek, position, pause and resume: a partition number is an int (True or
-        1.0 would find partition 1 by hash and equality, and act on it)."""
-        tp = self._tp(partition)
-        number = tp[1] if len(tp) == 2 else None
-        if isinstance(number, bool) or not isinstance(number, int):
-            raise InvalidConfig(f"{partition!r} is not assigned to {self.name}")
-        return tp
+        return held_partition(self.topics, partition, self.name)
 
     # -- run: one worker thread per partition ----------------------------------------------------
     def _start_worker(self, tp: TopicPartition) -> None:

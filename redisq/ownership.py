@@ -17,9 +17,32 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from redisq.errors import InvalidConfig
 from redisq.protocol.group import Grant, Lease
 
 TopicPartition = tuple[str, int]
+
+
+def topic_partition(topics: Sequence[str], partition: int | TopicPartition) -> TopicPartition:
+    """A consumer's partition argument as (topic, partition): a number names a partition of its
+    only topic."""
+    if isinstance(partition, tuple):
+        return partition
+    if len(topics) != 1:
+        raise InvalidConfig("name the partition as (topic, partition): several topics")
+    return (topics[0], partition)
+
+
+def held_partition(
+    topics: Sequence[str], partition: int | TopicPartition, member: str
+) -> TopicPartition:
+    """topic_partition for seek, position, pause and resume: a partition number is an int
+    (True or 1.0 would find partition 1 by hash and equality, and act on it)."""
+    tp = topic_partition(topics, partition)
+    number = tp[1] if len(tp) == 2 else None
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise InvalidConfig(f"{partition!r} is not assigned to {member}")
+    return tp
 
 
 def assign_partitions(partitions: int, members: Sequence[str], member: str) -> list[int]:
