@@ -12,10 +12,11 @@ ARGV[4]  entries_read after it ("" when unknown: XINFO GROUPS then shows no lag)
 ARGV[5]  dead letters written since the last commit (a count)
 ARGV[6]  malformed entries among them
 ARGV[7]  "1" to clear the blocked message shown by describe_group
-ARGV[8]  P: keys parked since the last commit (policy park_key)
-ARGV[9]  H: messages held back behind a parked key since the last commit
-ARGV[10] U: held messages handled since the last commit (their key was released)
-ARGV[11...] P pairs (key, offset of the dead letter that parked it), H pairs (offset, key),
+ARGV[8]  the commit's number among its lease's commits (1, 2, ...)
+ARGV[9]  P: keys parked since the last commit (policy park_key)
+ARGV[10] H: messages held back behind a parked key since the last commit
+ARGV[11] U: held messages handled since the last commit (their key was released)
+ARGV[12...] P pairs (key, offset of the dead letter that parked it), H pairs (offset, key),
          U offsets
 
 The position is the Redis consumer group's last-delivered-id (XGROUP SETID), so an orderly group
@@ -24,7 +25,11 @@ and a new owner resumes from the committed one. Everything else the commit recor
 counts, parked keys, held messages) changes with it, atomically and only under the lease, so a
 member that lost its lease commits nothing.
 
-Returns 1.
+A commit whose number is not above the last one applied under the same lease is a late copy
+(its answer timed out on the client, which sent what it carried again in a later commit): it
+changes nothing, so the position never goes back to it.
+
+Returns 1, or 0 for a late copy.
 Error replies
   LEASE_LOST   the lease is gone or held by another grant: nothing changed
 ]]
@@ -33,6 +38,12 @@ Error replies
 if not lease_holder(KEYS[2], ARGV[2]) then
   return redis.error_reply('LEASE_LOST partition lease is held by another grant')
 end
+local seq = tonumber(ARGV[8])
+if redis.call('HGET', KEYS[3], 'commit_lease') == ARGV[2]
+    and tonumber(redis.call('HGET', KEYS[3], 'commit_seq') or '0') >= seq then
+  return 0
+end
+redis.call('HSET', KEYS[3], 'commit_lease', ARGV[2], 'commit_seq', seq)
 if ARGV[3] ~= '' then
   if ARGV[4] ~= '' then
     redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], ARGV[3], 'ENTRIESREAD', ARGV[4])
@@ -49,5 +60,5 @@ end
 if ARGV[7] == '1' then
   redis.call('HDEL', KEYS[3], 'blocked_offset', 'blocked_error', 'blocked_attempts')
 end
-record_parked(KEYS[4], KEYS[5], 8)
+record_parked(KEYS[4], KEYS[5], 9)
 return 1

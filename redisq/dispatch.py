@@ -55,6 +55,7 @@ class OrderlyPartition:
         self.parked_by: set[str] = set()
         self.blocked: str | None = None
         self.commit_in_flight: Commit | None = None
+        self.commits = 0  # commits taken under this lease (their numbers)
         # The message after the position was handed to this many owners that never got past it.
         self.head_attempts = 1 + grant.takeovers
         self.granted_at = grant.position
@@ -447,6 +448,8 @@ class OrderlyPartition:
         self.done, self.done_count = None, 0
         self.uncommitted_since = None
         self.commit_in_flight = commit
+        self.commits += 1
+        commit.seq = self.commits  # numbered anew when a failed one is sent again
         return commit
 
     def committed(self, commit: Commit) -> None:

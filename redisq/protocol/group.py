@@ -374,6 +374,7 @@ class Commit:
     dead_letters: int = 0
     malformed: int = 0
     clear_blocked: bool = False
+    seq: int = 0  # its number among the commits of its lease (a late older copy is ignored)
     parked: list[tuple[bytes, str]] = field(default_factory=list)  # (key, dead letter offset)
     held: list[tuple[str, bytes]] = field(default_factory=list)  # (offset, key)
     unheld: list[str] = field(default_factory=list)
@@ -412,6 +413,7 @@ def commit_position(keys: KeySpace, lease: Lease, commit: Commit) -> ScriptCall[
         commit.dead_letters,
         commit.malformed,
         "1" if commit.clear_blocked else "0",
+        commit.seq,
         *record_args(commit),
     ]
     return ScriptCall(
