@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -15,21 +14,7 @@ from redisq.errors import DeliveryTimeout, ProducerFenced
 from tests.aio import aio
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-
-
-def read_all(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
-    partitions = broker.describe_topic(topic).config.partitions
-    return [m for p in range(partitions) for m in broker.read(topic, p)]
-
-
-def wait_for(condition: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
+from tests.test_delayed import read_all, wait_for
 
 # -- fencing of a named producer's delayed sends ------------------------------------------------
 
