@@ -25,11 +25,13 @@ and a new owner resumes from the committed one. Everything else the commit recor
 counts, parked keys, held messages) changes with it, atomically and only under the lease, so a
 member that lost its lease commits nothing.
 
-A commit whose number is not above the last one applied under the same lease is a late copy
-(its answer timed out on the client, which sent what it carried again in a later commit): it
-changes nothing, so the position never goes back to it.
+A commit whose number is not above the last one applied under the same lease changes nothing:
+a late copy (its answer timed out on the client, which sent what it carried again in a later
+commit), or a commit overtaken by a transaction's hold of the partition (tx_hold.lua, numbered
+after it, whose position passes this one's): the position never goes back to it.
 
-Returns 1, or 0 for a late copy.
+Returns 1, or 0 when the commit's number was not above the last (nothing changed: the client
+sends its records again, without its position).
 Error replies
   LEASE_LOST   the lease is gone or held by another grant: nothing changed
 ]]
@@ -38,12 +40,9 @@ Error replies
 if not lease_holder(KEYS[2], ARGV[2]) then
   return redis.error_reply('LEASE_LOST partition lease is held by another grant')
 end
-local seq = tonumber(ARGV[8])
-if redis.call('HGET', KEYS[3], 'commit_lease') == ARGV[2]
-    and tonumber(redis.call('HGET', KEYS[3], 'commit_seq') or '0') >= seq then
+if not take_commit_number(KEYS[3], ARGV[2], tonumber(ARGV[8])) then
   return 0
 end
-redis.call('HSET', KEYS[3], 'commit_lease', ARGV[2], 'commit_seq', seq)
 if ARGV[3] ~= '' then
   if ARGV[4] ~= '' then
     redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], ARGV[3], 'ENTRIESREAD', ARGV[4])

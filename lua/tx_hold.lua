@@ -7,8 +7,9 @@ KEYS[3]  the group's parked keys hash          <ns>:{<topic>:<p>}:parked:<group>
 KEYS[4]  the group's held messages hash        <ns>:{<topic>:<p>}:held:<group>
 ARGV[1]  the holder's lease value
 ARGV[2]  transaction id
-ARGV[3]  P: keys parked since the last commit; ARGV[4] H: messages held back behind a parked key;
-ARGV[5]  U: held messages handled since; then the pairs and offsets, as commit_position.lua
+ARGV[3]  the hold's number among its lease's commits (commit_position.lua's ARGV[8])
+ARGV[4]  P: keys parked since the last commit; ARGV[5] H: messages held back behind a parked key;
+ARGV[6]  U: held messages handled since; then the pairs and offsets, as commit_position.lua
 
 A new owner of the partition finds pending_tx in the state when its lease is granted and
 resolves it (tx_position.lua) before it reads: the position a committed transaction carries is
@@ -18,6 +19,11 @@ The held messages (and parked keys) the position will pass are recorded here, be
 transaction can commit: a position that passed a held message nobody recorded would lose it (a
 crash before the next plain commit). Recorded early, a held message the position does not pass
 (the transaction aborts) is held again when it is read again: recording is idempotent.
+
+The hold is numbered as the lease's commits are, after every plain commit the owner took before
+the transaction took the position: a plain commit that lands after the hold (a late copy whose
+answer timed out, or one overtaken on the wire) changes nothing, so it cannot move the group's
+position back behind the transaction's once that is applied (its inputs handled twice).
 
 Returns 1.
 Error replies
@@ -29,5 +35,6 @@ if not lease_holder(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST partition lease is held by another grant')
 end
 redis.call('HSET', KEYS[2], 'pending_tx', ARGV[2])
-record_parked(KEYS[3], KEYS[4], 3)
+take_commit_number(KEYS[2], ARGV[1], tonumber(ARGV[3]))
+record_parked(KEYS[3], KEYS[4], 4)
 return 1

@@ -371,11 +371,11 @@ class Coordinator:
             log.exception("%s: %s callback raised", self.name, name)
 
     def _commit(
-        self, tp: TopicPartition, send: Callable[[Lease, Commit], None] | None = None
+        self, tp: TopicPartition, send: Callable[[Lease, Commit], bool] | None = None
     ) -> bool:
         """Commit what was handled on tp (False: nothing to commit). send(lease, commit): how
         it goes to Redis (default PartitionIO.commit; a caught-up worker sends it ahead of its
-        waiting read)."""
+        waiting read), False when a transaction's hold overtook it (nothing was applied)."""
         with self._lock:
             reader = self._readers.get(tp)
             if reader is None:
@@ -389,7 +389,7 @@ class Coordinator:
             if commit is None:
                 return False
             try:
-                (send or self.io.commit)(reader.lease, commit)
+                applied = (send or self.io.commit)(reader.lease, commit)
             except LeaseLost:
                 self.stats.fenced_commits += 1
                 with self._lock:
@@ -400,8 +400,11 @@ class Coordinator:
                     reader.commit_failed(commit, time.monotonic())
                 raise
             with self._lock:
-                reader.committed(commit)
-        self.stats.commits += 1
+                if applied:
+                    reader.committed(commit)
+                else:
+                    reader.commit_superseded(commit, time.monotonic())
+        self.stats.commits += applied
         return True
 
     def _deserialize(self, message: Message) -> Message:

@@ -381,12 +381,14 @@ class OrderlyPartition:
 
     def transactional_ack(
         self, tx_id: str, offsets: list[str], now: float
-    ) -> tuple[str, int | None, Commit] | None:
+    ) -> tuple[str, int | None, Commit, int] | None:
         """The caller acked these within transaction tx_id (check_transactional_ack passed):
         the position moves over them as for ack(), but belongs to the transaction; (position,
-        entries_read, records) it would commit. The records (held messages, parked keys and
-        released ones so far) go with it: the position may pass a held message, which must
-        be recorded before the position moves (tx_hold.lua)."""
+        entries_read, records, number) it would commit. The records (held messages, parked
+        keys and released ones so far) go with it: the position may pass a held message, which
+        must be recorded before the position moves (tx_hold.lua). The hold is numbered after
+        every plain commit taken so far, so none of them can land after it (late, or overtaken
+        on the wire) and move the position back behind the transaction's."""
         self.ack(offsets, now)
         self.tx_acked.update(offsets)
         if self.done is not None:
@@ -397,13 +399,17 @@ class OrderlyPartition:
         if self.tx_position is None:
             return None
         records, pending = self.tx_records, self.pending
+        # A failed commit's position, sent again: the transaction's passes it (or, aborted,
+        # hands out again from the committed one).
+        pending.position = pending.entries_read = None
         records.parked += pending.parked
         records.held += pending.held
         records.unheld += pending.unheld
         pending.parked, pending.held, pending.unheld = [], [], []
         entries = None if self.entries_read is None else self.entries_read + self.tx_count
         copy = Commit(parked=[*records.parked], held=[*records.held], unheld=[*records.unheld])
-        return self.tx_position, entries, copy
+        self.commits += 1
+        return self.tx_position, entries, copy, self.commits
 
     def transaction_ended(self, position: str, entries_read: int | None, committed: bool) -> None:
         """Committed: the group is at `position` now. Aborted: read again from the committed
@@ -461,10 +467,19 @@ class OrderlyPartition:
         self.committed_at = position
         self.entries_read = entries_read
 
-    def commit_failed(self, commit: Commit, now: float) -> None:
+    def commit_superseded(self, commit: Commit, now: float) -> None:
+        """Redis applied a write numbered after this commit first (a transaction's hold of the
+        partition, whose position passes this one's): nothing of it was applied; its records
+        go again with the next commit, its position does not."""
+        self.commit_failed(commit, now, passed=True)
+
+    def commit_failed(self, commit: Commit, now: float, *, passed: bool = False) -> None:
         """The commit's answer was lost (it may have run): send it again with what came since
-        (a position is idempotent; a count sent twice counts twice in describe_group)."""
+        (a position is idempotent; a count sent twice counts twice in describe_group). Its
+        position is not sent again when a transaction's passes it (passed, or a transaction
+        carries the position now): the group would go back behind the transaction's inputs."""
         self.commit_in_flight = None
+        own = self.done is None  # else the position handled since replaces the commit's
         later = self.pending
         commit.dead_letters += later.dead_letters
         commit.malformed += later.malformed
@@ -477,10 +492,12 @@ class OrderlyPartition:
             commit.entries_read = (
                 None if commit.entries_read is None else commit.entries_read + self.done_count
             )
-        self.pending = commit
         self.done, self.done_count = commit.position, 0
         if commit.position is not None and commit.entries_read is not None:
             self.entries_read = commit.entries_read
+        if own and (passed or self.transaction is not None):
+            commit.position = commit.entries_read = self.done = None
+        self.pending = commit
         self.uncommitted_since = now
 
 

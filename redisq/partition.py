@@ -164,10 +164,10 @@ class PartitionIO:
 
     def commit_then_wait(
         self, reader: OrderlyPartition, commit: Commit, count: int, block_ms: int
-    ) -> list[Any]:
+    ) -> tuple[bool, list[Any]]:
         """commit, then read_waiting's commands, in one write (commit_position.lua runs before
-        the XREAD): the commit's error reply raises (LeaseLost, ...); the read's raw replies are
-        returned for waited()."""
+        the XREAD): the commit's error reply raises (LeaseLost, ...); (whether the commit was
+        applied, the read's raw replies for waited())."""
         lease = reader.lease
         commands = calls.commit_then_wait_commands(
             self._keys,
@@ -181,10 +181,10 @@ class PartitionIO:
         replies = self._exchange(commands[-1][1], commands)
         committed = replies.pop(0)
         if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
-            self.commit(lease, commit)
-        elif isinstance(committed, Exception):
+            return self.commit(lease, commit), replies
+        if isinstance(committed, Exception):
             raise from_reply(str(committed), lease.topic) or committed
-        return replies
+        return committed == 1, replies
 
     @staticmethod
     def waited(lease: Lease, replies: list[Any]) -> list[Any]:
@@ -210,8 +210,10 @@ class PartitionIO:
             raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
         return result.entries
 
-    def commit(self, lease: Lease, commit: Commit) -> None:
-        self._scripts.run(calls.commit_position(self._keys, lease, commit))
+    def commit(self, lease: Lease, commit: Commit) -> bool:
+        """commit_position.lua: False when Redis had applied a later-numbered write of the
+        lease first (a transaction's hold), so nothing of this commit was."""
+        return self._scripts.run(calls.commit_position(self._keys, lease, commit)) == 1
 
     def load_parked(self, reader: OrderlyPartition) -> None:
         """The group's parked keys and the messages held behind them, whatever this member's

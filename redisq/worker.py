@@ -178,8 +178,10 @@ class Worker(threading.Thread):
         (the coordinator's commit bookkeeping, the commit sent ahead of the waiting read)."""
         replies: list[Any] = []
 
-        def send(lease: Lease, commit: Commit) -> None:
-            replies.extend(self.io.commit_then_wait(reader, commit, count, block_ms))
+        def send(lease: Lease, commit: Commit) -> bool:
+            applied, read = self.io.commit_then_wait(reader, commit, count, block_ms)
+            replies.extend(read)
+            return applied
 
         if not self.consumer._commit(self.tp, send):  # nothing to commit
             return self.io.read_waiting(reader, count, block_ms)

@@ -588,11 +588,11 @@ async def test_asyncio_close_in_the_middle_of_a_hand_overs_commit_commits(
         commit = consumer.io.commit
         committing = asyncio.Event()
 
-        async def slow_commit(*args: Any) -> None:
+        async def slow_commit(*args: Any) -> bool:
             if not committing.is_set():
                 committing.set()
                 await asyncio.sleep(2)
-            await commit(*args)
+            return await commit(*args)
 
         consumer.io.commit = slow_commit  # type: ignore[method-assign]
         await consumer.ack(got)

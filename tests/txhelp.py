@@ -99,8 +99,8 @@ class SyncDriver:
 
     name = "sync"
 
-    def __init__(self, url: str, namespace: str) -> None:
-        self.broker = redisq.connect(url, namespace=namespace)
+    def __init__(self, url: str, namespace: str, **options: Any) -> None:
+        self.broker = redisq.connect(url, namespace=namespace, **options)
 
     def producer(self, name: str | None = None, **options: Any) -> Any:
         return self.broker.producer(name, **options)
@@ -118,13 +118,13 @@ class AsyncDriver:
 
     name = "async"
 
-    def __init__(self, url: str, namespace: str) -> None:
+    def __init__(self, url: str, namespace: str, **options: Any) -> None:
         import redisq.asyncio as rq
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.broker = self.call(rq.connect(url, namespace=namespace))
+        self.broker = self.call(rq.connect(url, namespace=namespace, **options))
         self._open: list[Any] = []
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
@@ -181,6 +181,12 @@ class _AsyncConsumer:
 
     def ack(self, messages: Any) -> Any:
         return self.d.call(self.inner.ack(messages))
+
+    def commit(self) -> Any:
+        return self.d.call(self.inner.commit())
+
+    def committed(self, partition: int) -> Any:
+        return self.d.call(self.inner.committed(partition))
 
     def close(self) -> None:
         self.d.call(self.inner.close())

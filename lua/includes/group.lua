@@ -38,6 +38,19 @@ local function lease_holder(lease, value)
   return redis.call('GET', lease) == value
 end
 
+-- take_commit_number(state, lease_value, seq): what an orderly owner writes under its lease
+-- (commit_position.lua's commits, tx_hold.lua's holds) is numbered per lease. True when seq is
+-- above the last number applied under this lease, which it then becomes; false for a late copy
+-- (its answer timed out on the client, which sent what it carried again, numbered anew).
+local function take_commit_number(state, lease_value, seq)
+  if redis.call('HGET', state, 'commit_lease') == lease_value
+      and tonumber(redis.call('HGET', state, 'commit_seq') or '0') >= seq then
+    return false
+  end
+  redis.call('HSET', state, 'commit_lease', lease_value, 'commit_seq', seq)
+  return true
+end
+
 -- Acquire requests given up (acquire_lease.lua's request ids whose grants were released or
 -- given up): a late copy of one is refused. The last GIVEN_UP_KEPT of them are kept, space
 -- separated, in the field given_up of the group's partition state hash: a copy that arrives

@@ -370,7 +370,7 @@ class Coordinator:
             log.exception("%s: %s callback raised", self.name, name)
 
     async def _commit(
-        self, tp: TopicPartition, send: Callable[[Lease, Commit], Awaitable[None]] | None = None
+        self, tp: TopicPartition, send: Callable[[Lease, Commit], Awaitable[bool]] | None = None
     ) -> bool:
         """See redisq.coordinator.Coordinator._commit."""
         reader = self._readers.get(tp)
@@ -384,7 +384,7 @@ class Coordinator:
             if commit is None:
                 return False
             try:
-                await (send or self.io.commit)(reader.lease, commit)
+                applied = await (send or self.io.commit)(reader.lease, commit)
             except LeaseLost:
                 self.stats.fenced_commits += 1
                 self._lease_lost(tp)
@@ -392,8 +392,11 @@ class Coordinator:
             except (redis.RedisError, asyncio.CancelledError):  # a cancel: close() commits again
                 reader.commit_failed(commit, time.monotonic())
                 raise
-            reader.committed(commit)
-        self.stats.commits += 1
+            if applied:
+                reader.committed(commit)
+            else:
+                reader.commit_superseded(commit, time.monotonic())
+        self.stats.commits += applied
         return True
 
     def _deserialize(self, message: Message) -> Message:

@@ -112,7 +112,7 @@ class AsyncPartitionIO:
 
     async def commit_then_wait(
         self, reader: OrderlyPartition, commit: Commit, count: int, block_ms: int
-    ) -> list[Any]:
+    ) -> tuple[bool, list[Any]]:
         """See redisq.partition.PartitionIO.commit_then_wait."""
         lease = reader.lease
         commands = calls.commit_then_wait_commands(
@@ -127,13 +127,14 @@ class AsyncPartitionIO:
         replies = await self._exchange(commands[-1][1], commands)
         committed = replies.pop(0)
         if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
-            await self.commit(lease, commit)
-        elif isinstance(committed, Exception):
+            return await self.commit(lease, commit), replies
+        if isinstance(committed, Exception):
             raise from_reply(str(committed), lease.topic) or committed
-        return replies
+        return committed == 1, replies
 
-    async def commit(self, lease: Lease, commit: Commit) -> None:
-        await self.broker.scripts.run(calls.commit_position(self._keys, lease, commit))
+    async def commit(self, lease: Lease, commit: Commit) -> bool:
+        """See redisq.partition.PartitionIO.commit."""
+        return await self.broker.scripts.run(calls.commit_position(self._keys, lease, commit)) == 1
 
     async def load_parked(self, reader: OrderlyPartition) -> None:
         """See redisq.partition.PartitionIO.load_parked."""

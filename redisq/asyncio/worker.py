@@ -171,8 +171,10 @@ class _Handling:
         """See redisq.worker.Worker._commit_and_wait."""
         replies: list[Any] = []
 
-        async def send(lease: Lease, commit: Commit) -> None:
-            replies.extend(await self.io.commit_then_wait(reader, commit, count, block_ms))
+        async def send(lease: Lease, commit: Commit) -> bool:
+            applied, read = await self.io.commit_then_wait(reader, commit, count, block_ms)
+            replies.extend(read)
+            return applied
 
         if not await self.consumer._commit(self.tp, send):  # nothing to commit
             return await self.io.read_waiting(reader, count, block_ms)

@@ -94,7 +94,8 @@ class TxRecord:
 class InputPosition:
     """A consumer's position on an input partition, committed with a transaction. `records`:
     the held messages (and parked keys) it passes, recorded when the input is held (not kept in
-    the transaction's record: the hold stores them under the lease)."""
+    the transaction's record: the hold stores them under the lease); `commit_seq`: the hold's
+    number among the lease's commits (neither is in the record)."""
 
     group: str
     topic: str
@@ -102,6 +103,7 @@ class InputPosition:
     position: str
     entries_read: int | None
     records: Commit = field(default_factory=Commit, compare=False)
+    commit_seq: int = field(default=0, compare=False)  # the hold's number (tx_hold.lua)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -342,7 +344,7 @@ def hold_input(
             keys.parked_keys(topic, p, group),
             keys.held_messages(topic, p, group),
         ),
-        (lease.value, tx_id, *record_args(position.records)),
+        (lease.value, tx_id, position.commit_seq, *record_args(position.records)),
         topic=topic,
     )
 
