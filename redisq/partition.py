@@ -292,23 +292,13 @@ class PartitionIO:
         block_ms: int | None,
         start: str = ">",
     ) -> list[Any]:
-        """XACK what was handled and XREADGROUP ">" in one write (BLOCK when waiting): the
-        entries read, raw (for decode_entries or decode_lazily)."""
+        """XACK what was handled and XREADGROUP from `start` in one write (BLOCK when
+        waiting): the entries read, raw (for decode_entries or decode_lazily)."""
         stream = self._keys.log(*tp)
-        read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
-        if block_ms is not None:
-            read += ("BLOCK", block_ms)
-        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, start)]
-        if ack_ids:
-            commands.insert(0, ("XACK", stream, self.group, *ack_ids))
-        replies = self._exchange(stream, commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        entries = stream_entries(replies[-1])
-        if start != ">":  # this member's pending entries: one deleted since comes without fields
-            entries = [entry for entry in entries if entry[1] is not None]
-        return entries
+        commands = calls.group_read_commands(
+            stream, self.group, self.member, count, ack_ids, block_ms, start
+        )
+        return calls.group_read_entries(self._exchange(stream, commands), start)
 
     def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         """XAUTOCLAIM entries pending longer than claim_idle_ms (a dead member's), now and
@@ -461,15 +451,6 @@ class PartitionIO:
         for writer in self._writers.values():
             writer.close()
         self.malformed_log.close()
-
-
-def stream_entries(reply: Any) -> list[Any]:
-    """The entries of a raw XREADGROUP reply for one stream (RESP2 list or RESP3 map)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return next(iter(reply.values())) or []
-    return reply[0][1] or []
 
 
 def parked_reads(keys: KeySpace, group: str, tp: TopicPartition) -> list[tuple[str, str]]:

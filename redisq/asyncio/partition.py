@@ -24,7 +24,6 @@ from redisq.partition import (
     PartitionIO,
     hashes,
     parked_reads,
-    stream_entries,
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
@@ -180,20 +179,10 @@ class AsyncPartitionIO:
     ) -> list[Any]:
         """See redisq.partition.PartitionIO.read_group (raw entries)."""
         stream = self._keys.log(*tp)
-        read: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.member, "COUNT", count)
-        if block_ms is not None:
-            read += ("BLOCK", block_ms)
-        commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, start)]
-        if ack_ids:
-            commands.insert(0, ("XACK", stream, self.group, *ack_ids))
-        replies = await self._exchange(stream, commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        entries = stream_entries(replies[-1])
-        if start != ">":  # this member's pending entries: one deleted since comes without fields
-            entries = [entry for entry in entries if entry[1] is not None]
-        return entries
+        commands = calls.group_read_commands(
+            stream, self.group, self.member, count, ack_ids, block_ms, start
+        )
+        return calls.group_read_entries(await self._exchange(stream, commands), start)
 
     async def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         now = time.monotonic()

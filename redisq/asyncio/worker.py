@@ -324,9 +324,7 @@ class _Handling:
                         and reader.blocked == message.offset
                         and (await self.gone(message))
                     ):  # a blocked message deleted (XDEL, retention): passed over
-                        reader.unblocked(time.monotonic())
-                        if not lane or message.offset in reader.held:
-                            reader.handled(message, time.monotonic())
+                        self.handled(reader, message, lane, unblock=True)
                         return
                     consumer.stats.retries += 1
                     step = next(steps)
@@ -337,10 +335,16 @@ class _Handling:
                                    outcome.park_key, lane)  # fmt: skip
             return
         consumer.note_handled(1)
+        self.handled(reader, message, lane, unblock=outcome.was_blocked)
+
+    def handled(
+        self, reader: OrderlyPartition | None, message: Message, lane: bool, *, unblock: bool
+    ) -> None:
+        """See redisq.worker.Worker._handled."""
         if reader is None:
             self.pending_acks.append(message.offset)
             return
-        if outcome.was_blocked:
+        if unblock:
             reader.unblocked(time.monotonic())
         if not lane or message.offset in reader.held:
             reader.handled(message, time.monotonic())

@@ -327,6 +327,48 @@ def fenced_wait_commands(
     ]
 
 
+def group_read_commands(
+    stream: str,
+    group: str,
+    member: str,
+    count: int,
+    ack_ids: Sequence[str],
+    block_ms: int | None,
+    start: str,
+) -> list[tuple[Any, ...]]:
+    """A concurrent member's read, for one write: XACK what it handled (if anything), then
+    XREADGROUP from `start` (">": new entries; "0": its own pending ones), with BLOCK when
+    block_ms is not None. group_read_entries reads the replies."""
+    read: tuple[Any, ...] = ("XREADGROUP", "GROUP", group, member, "COUNT", count)
+    if block_ms is not None:
+        read += ("BLOCK", block_ms)
+    commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, start)]
+    if ack_ids:
+        commands.insert(0, ("XACK", stream, group, *ack_ids))
+    return commands
+
+
+def group_read_entries(replies: Sequence[Any], start: str) -> list[Any]:
+    """The raw entries of group_read_commands' replies (an error reply raises). A pending entry
+    deleted since it was read comes without fields: it is left out."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    entries = stream_entries(replies[-1])
+    if start != ">":
+        entries = [entry for entry in entries if entry[1] is not None]
+    return entries
+
+
+def stream_entries(reply: Any) -> list[Any]:
+    """The entries of a raw XREADGROUP reply for one stream (RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values())) or []
+    return reply[0][1] or []
+
+
 def script_command(sha: str, call: ScriptCall[Any]) -> tuple[Any, ...]:
     """A script call as one EVALSHA command, for a pipeline of plain commands (a commit sent
     with fenced_wait_commands in one write)."""
