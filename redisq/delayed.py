@@ -18,6 +18,7 @@ and the same delay keep their send order.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 from collections import deque
@@ -126,7 +127,7 @@ class DelayedBatch:
 
     __slots__ = (
         "topic", "partition", "config", "messages", "opened", "deadline", "sealed",
-        "retry_at", "sent", "result", "error", "last_error", "waiter", "size",
+        "retry_at", "sent", "result", "error", "last_error", "waiter", "size", "nonce", "marks",
     )  # fmt: skip
 
     def __init__(self, config: TopicConfig, partition: int, now: float, timeout_s: float) -> None:
@@ -144,6 +145,8 @@ class DelayedBatch:
         self.last_error: BaseException | None = None
         self.waiter: Any = None  # the driver's completion signal
         self.size = 0  # bytes of its messages (sealed at max_batch_bytes, as plain batches are)
+        self.nonce = os.urandom(8).hex()  # names every copy of it (schedule.lua's ABANDONED)
+        self.marks: list[str] = []  # given-up batches' nonces its last copy marked
 
     def metadata(self, index: int) -> RecordMetadata:
         assert self.result is not None
@@ -181,6 +184,9 @@ class DelayedCore:
         # UNKNOWN_PRODUCER (a named sender whose epoch the partition does not carry): nothing is
         # sent there until the driver proved the epoch and stored it (partition_fenced()).
         self.fences_needed: set[TopicPartition] = set()
+        # Nonces of batches given up on after they went on the wire (a copy may still land):
+        # the next batch sent to the partition marks them refused before it is stored.
+        self.given_up: dict[TopicPartition, list[str]] = {}
         self.buffered = 0
         self.flush_requested = False
         self.finished: list[DelayedBatch] = []  # for the driver to signal, outside its lock
@@ -243,18 +249,22 @@ class DelayedCore:
         "fsync" on the same connection."""
         horizon = self.settings.delivery_timeout_ms + RETRY_MARGIN_MS
         fenced = self.settings.idempotence is not None
-        out: list[Step] = [
-            calls.schedule(
-                keys,
-                b.topic,
-                b.partition,
-                b.messages,
-                identity=identity,
-                fenced=fenced,
-                retry_horizon_ms=horizon,
-            )  # fmt: skip
-            for b in batches
-        ]
+        out: list[Step] = []
+        for b in batches:
+            b.marks = list(self.given_up.get((b.topic, b.partition), ()))
+            out.append(
+                calls.schedule(
+                    keys,
+                    b.topic,
+                    b.partition,
+                    b.messages,
+                    identity=identity,
+                    fenced=fenced,
+                    retry_horizon_ms=horizon,
+                    nonce=b.nonce,
+                    given_up=b.marks,
+                )
+            )
         s = self.settings
         if s.acks == "replicas":
             out.append(Command(("WAIT", s.min_replicas, s.ack_timeout_ms)))
@@ -291,6 +301,13 @@ class DelayedCore:
 
     def _complete(self, batch: DelayedBatch, result: ScheduleResult) -> None:
         batch.result = result
+        key = (batch.topic, batch.partition)
+        if batch.marks and key in self.given_up:  # marked now: not sent again
+            left = [n for n in self.given_up[key] if n not in batch.marks]
+            if left:
+                self.given_up[key] = left
+            else:
+                del self.given_up[key]
         self._done(batch)
 
     def failed(self, batch: DelayedBatch, error: BaseException | None, now: float) -> None:
@@ -372,6 +389,8 @@ class DelayedCore:
             stats.failed += count
             if isinstance(batch.error, ProducerFenced):
                 stats.fenced += count
+            if batch.sent:  # a copy may still land: refused once the next batch there is stored
+                self.given_up.setdefault(key, []).append(batch.nonce)
         self.finished.append(batch)
 
 

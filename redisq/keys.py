@@ -218,6 +218,11 @@ class KeySpace:
         delivered ids whose sender may still retry (a delay shorter than its delivery timeout)."""
         return f"{self._partition(topic, partition)}:delivered"
 
+    def schedule_abandoned(self, topic: str, partition: int) -> str:
+        """ZSET nonce of a delayed batch its sender gave up on -> until when (ms) a late copy of
+        it is refused (schedule.lua)."""
+        return f"{self._partition(topic, partition)}:abandoned"
+
     def scheduler_lease(self, topic: str, partition: int) -> str:
         """STRING lease (token, PX ttl) of the client that delivers this partition's schedule."""
         return f"{self._partition(topic, partition)}:schedlease"

@@ -182,8 +182,9 @@ def test_schedule_stores_an_id_once_before_and_after_delivery(broker: redisq.Bro
 
     def schedule(horizon_ms: int) -> calls.ScheduleResult:
         call = calls.schedule(
-            keys, "orders", 0, batch, identity=sender, fenced=True, retry_horizon_ms=horizon_ms
-        )
+            keys, "orders", 0, batch, identity=sender, fenced=True, retry_horizon_ms=horizon_ms,
+            nonce="n1",
+        )  # fmt: skip
         return run(call)
 
     def deliver(token: str = "t") -> calls.Delivered:

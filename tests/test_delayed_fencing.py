@@ -82,14 +82,6 @@ async def test_zombie_schedules_once_the_fence_state_expired_asyncio(
 # -- a late copy of a delayed batch that timed out ----------------------------------------------
 
 
-LATE_COPY = pytest.mark.xfail(
-    strict=True,
-    reason="known limit (README, Delayed messages): a delayed batch that timed out on the wire "
-    "does not renew the producer's epoch, so its late copy is scheduled, due from its arrival",
-)
-
-
-@LATE_COPY
 def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_of_its_key(
     proxied: tuple[ServerProcess, Proxy],
 ) -> None:
@@ -97,7 +89,8 @@ def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_
     Before anything else is sent, the producer takes a new epoch and stores it on every
     partition where a failed batch went on the wire, so a late copy of it can never land after
     newer messages of its key." With delayed sends the late copy of FIRST (same key, same
-    delay_ms as SECOND) is scheduled after SECOND and delivered after it."""
+    delay_ms as SECOND) was scheduled after SECOND and delivered after it; SECOND's batch now
+    marks FIRST's given up before it is stored, and the late copy is refused."""
     server, proxy = proxied
     # socket_timeout=1: the producer gives up on the frozen connection in time (see the test
     # above for what the default 30 s does to delayed sends).
@@ -138,7 +131,6 @@ def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_
     )
 
 
-@LATE_COPY
 @aio
 async def test_late_copy_of_a_timed_out_delayed_send_asyncio(
     proxied: tuple[ServerProcess, Proxy],

@@ -3,6 +3,7 @@ ones exactly once as the holder of the partition's scheduler lease."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,14 +51,19 @@ def schedule(
     identity: ProducerIdentity,
     fenced: bool,
     retry_horizon_ms: int,
+    nonce: str,
+    given_up: Sequence[str] = (),
 ) -> ScriptCall[ScheduleResult]:
     """schedule.lua: store delayed messages (acknowledged now, once per schedule id).
     retry_horizon_ms: how long after this call the sender may still re-send one of them;
-    fenced: refused (ProducerFenced) once a newer epoch of the identity is stored there."""
+    fenced: refused (ProducerFenced) once a newer epoch of the identity is stored there;
+    nonce: the batch's, in every copy of it; given_up: nonces of the sender's batches to this
+    partition it gave up on, refused from now on (marked before this batch is stored)."""
     epoch = identity.epoch if fenced else ""
     # A named sender must find its epoch on the partition (UNKNOWN_PRODUCER: prove it first).
     named = "1" if fenced and identity.named else ""
-    args: list[Any] = [len(messages), retry_horizon_ms, epoch, named]
+    args: list[Any] = [len(messages), retry_horizon_ms, epoch, named, nonce, len(given_up)]
+    args += given_up
     for m in messages:
         args += [
             m.schedule_id,
@@ -73,6 +79,7 @@ def schedule(
             keys.scheduled_messages(topic, partition),
             keys.scheduled_delivered(topic, partition),
             keys.producer_state(topic, partition, identity.producer_id),
+            keys.schedule_abandoned(topic, partition),
         ),
         args,
         _schedule_reply,
