@@ -93,17 +93,22 @@ class _Batch:
 class _TaskWriter:
     """Writes one Spark task attempt's rows: staged into its transaction, or appended."""
 
-    def __init__(self, opts: WriteOptions, write_id: str) -> None:
+    def __init__(self, opts: WriteOptions, write_id: str, streaming: bool = False) -> None:
         from pyspark import TaskContext
 
         self.opts = opts
         context = TaskContext.get()
         self.spark_partition = context.partitionId() if context else 0
         self.attempt = context.attemptNumber() if context else 0
-        batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
-        query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
-        if batch_id is not None:  # a streaming epoch: the query's id survives its restarts
-            write_id = f"{query_id or write_id}-{batch_id}"
+        # A streaming epoch is named by the query's id (which survives its restarts) and the
+        # batch id. Only the stream writer's: a batch write inside foreachBatch sees the same
+        # local properties, and two such writes of one micro-batch must stay two writes (the
+        # second would otherwise find the first one's decision and abort its own rows).
+        if streaming and context is not None:
+            batch_id = context.getLocalProperty("streaming.sql.batchId")
+            query_id = context.getLocalProperty("sql.streaming.queryId")
+            if batch_id is not None:
+                write_id = f"{query_id or write_id}-{batch_id}"
         self.broker = redisq.connect(opts.url, namespace=opts.namespace)
         self.keys = self.broker.keys
         self.result = WriteCommit(write_id, self.spark_partition, self.attempt, None)
@@ -337,7 +342,7 @@ class RedisqStreamWriter(DataSourceStreamArrowWriter):
         self.job_id = f"stream-{uuid.uuid4().hex}"  # used only if no query id is visible
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriteCommit:
-        return _TaskWriter(self.opts, self.job_id).write(iterator)
+        return _TaskWriter(self.opts, self.job_id, streaming=True).write(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         _Driver(self.opts).commit(messages, f"micro-batch {batchId}")
