@@ -3,7 +3,9 @@
 Entries that are not redisq messages (written by another client; see redisq/records.py, whose
 rules apply here too) do not fail a query: a field the query reads but cannot parse is null
 (value when there is no "v", headers for a damaged blob, producer_id / sequence when they are
-not decimals below 2**63), and each such entry is counted (MalformedCount).
+not decimals below 2**63), and each such entry is counted (MalformedCount). offset_ms,
+offset_seq and timestamp are null where a stream ID's part does not fit them (an ID another
+client chose: its parts go up to 2**64 - 1); offset keeps the exact ID.
 """
 
 from __future__ import annotations
@@ -95,6 +97,23 @@ def _id_column(raw: list[bytes | None]) -> tuple[pa.Array, list[int]]:
     return pa.array(parsed, pa.int64()), bad
 
 
+_INT64_MAX = (1 << 63) - 1
+_MAX_TIMESTAMP_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z, Spark's last timestamp
+
+
+def _bigint(column: pa.Array, largest: int) -> pa.Array:
+    """An integer column as int64, null where a value is above `largest`: a stream ID's parts
+    go up to 2**64 - 1 (an entry another client XADDed with such an ID), bigint does not."""
+    top = pc.max(column).as_py()
+    if top is not None and top > largest:
+        column = pc.if_else(
+            pc.greater(column, pa.scalar(largest, column.type)),
+            pa.scalar(None, column.type),
+            column,
+        )
+    return pc.cast(column, pa.int64())
+
+
 def to_record_batch(
     entries: Sequence[Any],
     topic: str,
@@ -138,8 +157,8 @@ def to_record_batch(
                 dicts.append(found)
     offsets = pa.array(ids, pa.string())
     parts = pc.split_pattern(offsets, "-")
-    ms = pc.cast(pc.list_element(parts, 0), pa.int64())
-    seq = pc.cast(pc.list_element(parts, 1), pa.int64())
+    ms = _bigint(pc.cast(pc.list_element(parts, 0), pa.uint64()), _INT64_MAX)
+    seq = _bigint(pc.cast(pc.list_element(parts, 1), pa.uint64()), _INT64_MAX)
     columns = [
         pa.array(keys, pa.binary()),
         pa.array(values, pa.binary()),
@@ -148,7 +167,7 @@ def to_record_batch(
         offsets,
         ms,
         seq,
-        pc.cast(pc.multiply(ms, 1000), pa.timestamp("us", tz="UTC")),
+        pc.cast(pc.multiply(_bigint(ms, _MAX_TIMESTAMP_MS), 1000), pa.timestamp("us", tz="UTC")),
     ]
     if include_headers:
         headers: list[list[dict[str, Any]] | None] = []

@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from spark_connector.offsets import count_end, next_id
+
 # The charts of these jobs (spark_connector.plots), re-exported.
 from spark_connector.plots import plot_audit, plot_lag, plot_skew, plot_throughput  # noqa: F401
 
@@ -261,7 +263,10 @@ def consumer_lag(
                 lag = g.get("lag")
                 if lag is None:
                     count, _ = broker.scripts.call(
-                        "count_range", [key], ["(" + delivered, _after(last), 1 << 62], topic=topic
+                        "count_range",
+                        [key],
+                        ["(" + delivered, count_end(next_id(last)), 1 << 62],
+                        topic=topic,
                     )
                     lag = int(count)
                 rows.append(
@@ -283,11 +288,6 @@ def consumer_lag(
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _after(stream_id: str) -> str:
-    ms, _, seq = stream_id.partition("-")
-    return f"{ms}-{int(seq or 0) + 1}"
 
 
 # -- verdicts and plots ------------------------------------------------------------------------

@@ -12,18 +12,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from redisq.errors import InvalidConfig
-from redisq.records import offset_parts
+from redisq.records import MAX_STREAM_ID_PART, offset_after, offset_parts
 
 # -- stream IDs and offsets -------------------------------------------------------------------
 EARLIEST, LATEST = "earliest", "latest"
+# One past the largest stream ID: the (exclusive) end of a range that takes an entry another
+# client XADDed at the largest ID, after which nothing can be appended. Never sent to Redis as
+# an ID: an upper bound says "+" for it (upper_bound, count_end).
+END_OF_IDS = f"{MAX_STREAM_ID_PART + 1}-0"
 
 
 def id_parts(stream_id: str) -> tuple[int, int]:
     """records.offset_parts for IDs from options: InvalidConfig, the option error, if invalid."""
+    if stream_id == END_OF_IDS:
+        return MAX_STREAM_ID_PART + 1, 0
     try:
         return offset_parts(stream_id)
     except ValueError as exc:
         raise InvalidConfig(str(exc)) from None
+
+
+def upper_bound(end: str) -> str:
+    """XRANGE's bound for the exclusive end `end`."""
+    return "+" if end == END_OF_IDS else "(" + end
+
+
+def count_end(end: str) -> str:
+    """count_range.lua's end argument for the exclusive end `end` ("+": no end)."""
+    return "+" if end == END_OF_IDS else end
 
 
 def normalize_id(stream_id: str) -> str:
@@ -32,9 +48,10 @@ def normalize_id(stream_id: str) -> str:
 
 
 def next_id(stream_id: str) -> str:
-    """The smallest stream ID after stream_id."""
-    ms, seq = id_parts(stream_id)
-    return f"{ms}-{seq + 1}"
+    """The smallest stream ID after stream_id (records.offset_after: the sequence carries into
+    the milliseconds), END_OF_IDS after the largest."""
+    id_parts(stream_id)  # InvalidConfig for what is not a stream ID
+    return offset_after(stream_id) or END_OF_IDS
 
 
 def id_less(a: str, b: str) -> bool:

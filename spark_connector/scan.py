@@ -21,8 +21,9 @@ from pyspark.sql.datasource import InputPartition
 import redisq
 from redisq.errors import PartitionOutOfRange, RedisqError
 from redisq.protocol import Command
+from redisq.records import MAX_STREAM_ID
 from spark_connector.arrow_rows import MalformedCount, arrow_schema, to_record_batch
-from spark_connector.offsets import StreamState, id_less, id_parts
+from spark_connector.offsets import StreamState, id_less, id_parts, upper_bound
 from spark_connector.options import ReadOptions
 from spark_connector.raw import REDIRECTS, RawNodes, pairs
 
@@ -52,7 +53,8 @@ def xinfo_stream(key: str) -> Command[StreamState]:
 
 
 def xrange(key: str, start: str, end: str, count: int, reverse: bool = False) -> Command[Any]:
-    """XRANGE start end COUNT count (XREVRANGE end start when reverse): raw [[id, [f, v, ...]]]."""
+    """XRANGE start end COUNT count (XREVRANGE end start when reverse): raw [[id, [f, v, ...]]].
+    start and end are XRANGE's bounds as given ("(" for exclusive)."""
     if reverse:
         return Command(("XREVRANGE", key, end, start, "COUNT", count))
     return Command(("XRANGE", key, start, end, "COUNT", count))
@@ -112,8 +114,9 @@ def split_by_time(
     if pieces <= 1:
         return [(start, end)]
     key = broker.keys.log(topic, p)
+    upper = upper_bound(end)
     first, last = RawNodes(broker.client).run_all(
-        [(key, xrange(key, start, "(" + end, 1)), (key, xrange(key, start, "(" + end, 1, True))]
+        [(key, xrange(key, start, upper, 1)), (key, xrange(key, start, upper, 1, True))]
     )
     if not first or not last:
         return [(start, end)]
@@ -209,14 +212,14 @@ def _xrange_chunks(client: Any, key: str, start: str, end: str, count: int) -> I
     reply's last ID, so nothing waits for the conversion. If the cluster's slots move, the
     scan goes on from the last ID it handed on, at the slot's new node."""
     nodes = RawNodes(client)
-    upper = "(" + end
+    upper = upper_bound(end)
     cursor = start
     redirects = 0
     while True:
 
         def following(entries: Any) -> tuple[Any, ...] | None:
-            if len(entries) < count:
-                return None
+            if len(entries) < count or _decode(entries[-1][0]) == MAX_STREAM_ID:
+                return None  # (nothing follows the largest ID, and no range starts after it)
             return ("XRANGE", key, "(" + _decode(entries[-1][0]), upper, "COUNT", count)
 
         try:

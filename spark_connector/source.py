@@ -45,6 +45,7 @@ from spark_connector.offsets import (
     LATEST,
     StreamState,
     canonical,
+    count_end,
     id_less,
     next_id,
     parse_offsets_spec,
@@ -203,7 +204,7 @@ class RedisqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 count, last = self.broker.scripts.call(
                     "count_range",
                     [self.broker.keys.log(topic, int(p))],
-                    [ends[tp], bounds[tp], quota],
+                    [ends[tp], count_end(bounds[tp]), quota],
                     topic=topic,
                 )
                 count = int(count)

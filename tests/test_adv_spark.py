@@ -34,9 +34,7 @@ def write(df: Any, broker: redisq.Broker, **options: Any) -> None:
 
 def values(broker: redisq.Broker, topic: str) -> Counter[bytes]:
     return Counter(
-        m.value
-        for p in range(broker.topic_config(topic).partitions)
-        for m in broker.read(topic, p)
+        m.value for p in range(broker.topic_config(topic).partitions) for m in broker.read(topic, p)
     )
 
 
@@ -67,3 +65,88 @@ def test_two_writes_in_one_foreach_batch_both_land(
     expected = Counter(b"v%d" % i for i in range(40))
     assert values(spark_broker, "fb-a") == expected
     assert values(spark_broker, "fb-b") == expected
+
+
+MAX_PART = (1 << 64) - 1
+
+
+def test_a_foreign_entry_at_the_largest_sequence_of_a_millisecond_is_read(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    """Foreign entries never block anything (README): an entry another client XADDs at
+    <ms>-18446744073709551615 is a valid stream ID; the next ID carries into the milliseconds
+    (records.offset_after), so a batch read (end = latest, exclusive) reads it."""
+    spark_broker.create_topic("edge", partitions=1)
+    key = spark_broker.keys.log("edge", 0)
+    spark_broker.client.xadd(key, {"v": b"foreign"}, id=f"5-{MAX_PART}")
+    rows = reader(spark, spark_broker, subscribe="edge").collect()
+    assert [(bytes(r.value), r.offset) for r in rows] == [(b"foreign", f"5-{MAX_PART}")]
+
+
+def test_a_foreign_entry_at_the_largest_sequence_is_read_by_a_rate_limited_stream(
+    spark: Any, spark_broker: redisq.Broker, tmp_path: Path
+) -> None:
+    spark_broker.create_topic("edge-s", partitions=1)
+    key = spark_broker.keys.log("edge-s", 0)
+    spark_broker.client.xadd(key, {"v": b"foreign"}, id=f"5-{MAX_PART}")
+    produce(spark_broker, "edge-s", 3)
+    seen: list[bytes] = []
+    query = (
+        stream_reader(
+            spark,
+            spark_broker,
+            subscribe="edge-s",
+            startingOffsets="earliest",
+            maxOffsetsPerTrigger=1,
+        )
+        .writeStream.foreachBatch(lambda b, _: seen.extend(bytes(r.value) for r in b.collect()))
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(180)
+    assert query.exception() is None
+    assert seen == [b"foreign", b"v0", b"v1", b"v2"]
+
+
+def test_a_foreign_entry_at_the_largest_id_does_not_block_a_batch_read(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    spark_broker.create_topic("edge-max", partitions=1)
+    produce(spark_broker, "edge-max", 2)
+    key = spark_broker.keys.log("edge-max", 0)
+    spark_broker.client.xadd(key, {"v": b"foreign"}, id=f"{MAX_PART}-{MAX_PART}")
+    rows = reader(spark, spark_broker, subscribe="edge-max").collect()
+    assert sorted(bytes(r.value) for r in rows) == [b"foreign", b"v0", b"v1"]
+
+
+def test_a_stream_reads_an_entry_at_the_largest_id_once_and_restarts_after_it(
+    spark: Any, spark_broker: redisq.Broker, tmp_path: Path
+) -> None:
+    spark_broker.create_topic("edge-max-s", partitions=1)
+    produce(spark_broker, "edge-max-s", 2)
+    key = spark_broker.keys.log("edge-max-s", 0)
+    spark_broker.client.xadd(key, {"v": b"foreign"}, id=f"{MAX_PART}-{MAX_PART}")
+    seen: list[bytes] = []
+
+    def run() -> None:
+        query = (
+            stream_reader(
+                spark,
+                spark_broker,
+                subscribe="edge-max-s",
+                startingOffsets="earliest",
+                maxOffsetsPerTrigger=2,
+            )
+            .writeStream.foreachBatch(lambda b, _: seen.extend(bytes(r.value) for r in b.collect()))
+            .option("checkpointLocation", str(tmp_path / "cp"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(180)
+        assert query.exception() is None
+
+    run()
+    assert seen == [b"v0", b"v1", b"foreign"]
+    run()  # restarted from its checkpoint: nothing again, no error
+    assert seen == [b"v0", b"v1", b"foreign"]
