@@ -86,6 +86,23 @@ def commit_write(keys: KeySpace, write_id: str, winners: Iterable[str]) -> Opera
     """Steps 1-4 of the module docstring. IncompleteWrite if a decided winner cannot commit."""
     record = write_record(keys, write_id)
     proposed = sorted(set(winners))
+    earlier = yield Command(("HGET", record, _DECIDED), optional_text)
+    if earlier is None:
+        # Every winner must still be open before the decision: one aborted past its timeout
+        # fails the write, and a winner decided all the same would be rolled forward later by
+        # a sweeper, a part of a failed write (there twice once the job is re-run). Nothing is
+        # recorded then: a replayed epoch stages and commits attempts of its own.
+        records = yield [tx.read_record(keys, tx_id) for tx_id in proposed]
+        lost = [
+            f"{tx_id} ({'expired' if r is None else r.state})"
+            for tx_id, r in zip(proposed, records, strict=True)
+            if r is None or r.state != "open"
+        ]
+        if lost:
+            raise IncompleteWrite(
+                f"write {write_id}: attempts {', '.join(lost)} were aborted or expired before "
+                "the commit; nothing of the write is in the topic (raise transactionTimeoutMs?)"
+            )
     stored = yield Command(("HSETNX", record, _DECIDED, json.dumps(proposed)), int)
     outcome = WriteOutcome()
     if stored:

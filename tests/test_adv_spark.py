@@ -150,3 +150,140 @@ def test_a_stream_reads_an_entry_at_the_largest_id_once_and_restarts_after_it(
     assert seen == [b"v0", b"v1", b"foreign"]
     run()  # restarted from its checkpoint: nothing again, no error
     assert seen == [b"v0", b"v1", b"foreign"]
+
+
+# -- passwords never shown ----------------------------------------------------------------------
+SECRET = "adv-Sp4rk-s3cret"
+
+
+@pytest.fixture(scope="module")
+def password_server() -> Any:
+    from tests.servers import ServerProcess
+
+    server = ServerProcess().start()
+    with server.client() as client:
+        client.config_set("requirepass", SECRET)
+    yield server
+    server.stop()
+
+
+def _chain(error: BaseException | None) -> list[str]:
+    texts = []
+    while error is not None:
+        texts += [str(error), repr(error)]
+        error = error.__cause__ or error.__context__
+    return texts
+
+
+def test_password_in_the_url_option_never_shown(
+    spark: Any, password_server: Any, tmp_path: Path
+) -> None:
+    import uuid
+
+    port = password_server.port
+    url = f"redis://default:{SECRET}@127.0.0.1:{port}/0"
+    namespace = f"adv{uuid.uuid4().hex[:8]}"
+    with redisq.connect(url, namespace=namespace) as broker:
+        broker.create_topic("pw", partitions=1)
+        with broker.producer() as producer:
+            producer.send("pw", b"v", key=b"k")
+    shown: list[str] = []
+    df = (
+        spark.read.format("redisq")
+        .option("url", url)
+        .option("namespace", namespace)
+        .option("subscribe", "pw")
+        .load()
+    )
+    shown.append(df._jdf.queryExecution().toString())
+    for mode in ("extended", "formatted", "cost", "codegen"):
+        shown.append(spark._jvm.PythonSQLUtils.explainString(df._jdf.queryExecution(), mode))
+    assert df.count() == 1
+    stream = (
+        spark.readStream.format("redisq")
+        .option("url", url)
+        .option("namespace", namespace)
+        .option("subscribe", "pw")
+        .option("startingOffsets", "earliest")
+        .load()
+    )
+    shown.append(stream._jdf.queryExecution().toString())
+    query = (
+        stream.select("key", "value")
+        .writeStream.format("redisq")
+        .option("url", url)
+        .option("namespace", namespace)
+        .option("topic", "pw")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    shown.append(str(query.recentProgress))
+    shown.append(query._jsq.toString())
+    # Errors: a wrong password, a missing topic, a bad option, each with the secret in the url.
+    wrong = url.replace(SECRET, SECRET + "-wrong")
+    for options in (
+        {"url": wrong, "subscribe": "pw"},
+        {"url": url, "subscribe": "missing"},
+        {"url": url, "subscribe": "pw", "startingOffsets": "{bad"},
+    ):
+        builder = spark.read.format("redisq").option("namespace", namespace)
+        for k, v in options.items():
+            builder = builder.option(k, v)
+        with pytest.raises(Exception) as caught:  # noqa: B017
+            builder.load().collect()
+        shown += _chain(caught.value)
+    for options in (
+        {"url": wrong, "topic": "pw"},
+        {"url": url, "topic": "missing"},
+        {"url": url, "topic": "pw", "batchSize": "0"},
+    ):
+        builder = spark.createDataFrame([("v",)], "value string").write.format("redisq")
+        builder = builder.mode("append").option("namespace", namespace)
+        for k, v in options.items():
+            builder = builder.option(k, v)
+        with pytest.raises(Exception) as caught:  # noqa: B017
+            builder.save()
+        shown += _chain(caught.value)
+    leaked = [text[:2000] for text in shown if SECRET in text]
+    assert not leaked, leaked
+
+
+# -- the commit protocol, without Spark ---------------------------------------------------------
+def test_a_write_that_fails_incomplete_leaves_none_of_its_rows(valkey_server: Any) -> None:
+    """One winner of a write was aborted past its timeout (the sweeper) before the driver's
+    commit: the write fails (IncompleteWrite) and Spark aborts it. Its other winners must not
+    land later either: a failed job is re-run, and those rows would then be there twice."""
+    import uuid
+
+    from redisq import tx_ops
+    from redisq.protocol import run_operation
+    from spark_connector import commit
+    from tests.conftest import drop_namespace
+    from tests.test_spark_commit import attempt, topic_values
+
+    broker = redisq.connect(valkey_server.url, namespace=f"adv{uuid.uuid4().hex[:10]}")
+    try:
+        broker.create_topic("out", partitions=3)
+
+        def run(op: Any) -> Any:
+            return run_operation(op, broker.scripts.execute)
+
+        late = attempt(broker, "w-inc", [b"a%d" % i for i in range(9)], 0)
+        fine = attempt(broker, "w-inc", [b"b%d" % i for i in range(9)], 1)
+        run(tx_ops.abort(broker.keys, late, None, []))  # the sweeper, past its timeout
+        with pytest.raises(commit.IncompleteWrite):
+            run(commit.commit_write(broker.keys, "w-inc", [late, fine]))
+        aborted = run(commit.abort_write(broker.keys, "w-inc", [late, fine]))  # Spark's abort
+        assert fine in aborted
+        # Later, a sweeper finds the decided transactions due (as past their deadline).
+        registry = broker.keys.transactions()
+        for member in broker.client.zrange(registry, 0, -1):
+            broker.client.zadd(registry, {member: 0})
+        broker.sweep_transactions()
+        assert topic_values(broker) == Counter()
+    finally:
+        drop_namespace(broker)
+        broker.close()
