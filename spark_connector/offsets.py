@@ -142,6 +142,23 @@ class StreamState:
         return id_parts(self.first_id)[1] > 0
 
 
+def check_spec_parts(name: str, spec: OffsetSpec, parts: Sequence[tuple[str, int]]) -> None:
+    """A JSON spec may only name partitions the query reads: anything else is a typo (a
+    partition the topic lacks, a topic not subscribed), and ignoring it would read from the
+    default offset instead of the one asked for."""
+    if not isinstance(spec, dict):
+        return
+    read = set(parts)
+    unknown = sorted((t, p) for t, ps in spec.items() for p in ps if (t, p) not in read)
+    if unknown:
+        named = ", ".join(f"{t}/{p}" for t, p in unknown)
+        topics = sorted({t for t, _ in parts})
+        raise InvalidConfig(
+            f"{name} names {named}, which the query does not read (it reads "
+            f"{', '.join(topics) or 'no topic'}; partitions are 0..partitions-1)"
+        )
+
+
 def resolve_offsets(
     spec: OffsetSpec | None,
     timestamp: int | None,

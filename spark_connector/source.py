@@ -45,6 +45,7 @@ from spark_connector.offsets import (
     LATEST,
     StreamState,
     canonical,
+    check_spec_parts,
     count_end,
     id_less,
     next_id,
@@ -89,6 +90,8 @@ class RedisqBatchReader(DataSourceReader):
             parts = [(t, p) for t, ps in chosen.items() for p in ps]
             if not parts:
                 return [RangePartition("", 0, "0-1", "0-1")]
+            check_spec_parts("startingOffsets", start_spec, parts)
+            check_spec_parts("endingOffsets", end_spec, parts)
             states = stream_states(broker, parts)
             starts = resolve_offsets(start_spec, opts.starting_timestamp, EARLIEST, parts, states)
             ends = resolve_offsets(end_spec, opts.ending_timestamp, LATEST, parts, states)
@@ -134,6 +137,7 @@ class RedisqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         opts = self.opts
         spec = parse_offsets_spec("startingOffsets", opts.starting_offsets or LATEST)
         parts, states = self._parts_and_states()
+        check_spec_parts("startingOffsets", spec, parts)
         starts = resolve_offsets(spec, opts.starting_timestamp, LATEST, parts, states)
         offsets: dict[str, dict[str, str]] = {}
         for (topic, p), start in starts.items():
@@ -256,7 +260,13 @@ class RedisqDataSource(DataSource):
         return RedisqBatchReader(ReadOptions.parse(self.options))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return RedisqStreamReader(ReadOptions.parse(self.options))
+        opts = ReadOptions.parse(self.options)
+        if opts.ending_offsets is not None or opts.ending_timestamp is not None:
+            # As Spark's Kafka source: a stream has no end; ignoring it would read past it.
+            raise InvalidConfig(
+                "endingOffsets and endingTimestamp are for batch queries only, not streams"
+            )
+        return RedisqStreamReader(opts)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         return RedisqBatchWriter(WriteOptions.parse(self.options, schema, overwrite))

@@ -4,6 +4,7 @@ each test here is a way found to break one, kept as a regression test."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -287,3 +288,57 @@ def test_a_write_that_fails_incomplete_leaves_none_of_its_rows(valkey_server: An
     finally:
         drop_namespace(broker)
         broker.close()
+
+
+# -- bad options and bad rows -------------------------------------------------------------------
+def test_offsets_for_a_partition_or_topic_not_read_are_refused(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    """startingOffsets naming a partition the topic lacks, or a topic the query does not read,
+    is a typo: silently reading from the default instead reads what the user excluded."""
+    spark_broker.create_topic("offs", partitions=2)
+    produce(spark_broker, "offs", 10)
+    last = list(spark_broker.read("offs", 0))[-1].offset
+    for spec in (json.dumps({"offs": {"5": last}}), json.dumps({"ofs": {"0": last}})):
+        with pytest.raises(Exception, match="InvalidConfig|PartitionOutOfRange") as caught:
+            reader(spark, spark_broker, subscribe="offs", startingOffsets=spec).collect()
+        assert "offs" in str(caught.value)
+
+
+def test_ending_offsets_on_a_stream_are_refused(
+    spark: Any, spark_broker: redisq.Broker, tmp_path: Path
+) -> None:
+    """endingOffsets has no meaning for a stream (Spark's Kafka source refuses it): ignoring it
+    would run the stream past the end the user asked for."""
+    spark_broker.create_topic("se", partitions=1)
+    produce(spark_broker, "se", 5)
+    with pytest.raises(Exception, match="endingOffsets"):
+        query = (
+            stream_reader(
+                spark,
+                spark_broker,
+                subscribe="se",
+                startingOffsets="earliest",
+                endingOffsets="latest",
+            )
+            .writeStream.foreachBatch(lambda b, _: None)
+            .option("checkpointLocation", str(tmp_path / "cp"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        raise AssertionError(f"stream ran: {query.exception()}")
+
+
+def test_a_bad_row_in_one_task_writes_nothing_from_any_task(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    spark_broker.create_topic("bad-rows", partitions=2)
+    rows = [(f"k{i}", f"v{i}", None) for i in range(200)] + [("kx", "vx", 7)]
+    df = spark.createDataFrame(rows, "key string, value string, partition int").repartition(
+        3, "key"
+    )
+    with pytest.raises(Exception, match="PartitionOutOfRange"):
+        write(df, spark_broker, topic="bad-rows", batchSize=10)
+    assert values(spark_broker, "bad-rows") == Counter()
+    assert "open" not in set(transaction_states(spark_broker).values())
