@@ -5,7 +5,8 @@ Columns: value (required; binary or string), key, headers, topic, partition, mes
 (optional); others are ignored. As in Spark's Kafka sink, the topic option overrides the topic
 column and a partition column is obeyed: drop it from a DataFrame read from redisq to route its
 rows by key again. Rows route like the Python producer: partition column, else
-zlib.crc32(key) % partitions, else (no key) sticky batches that move on round-robin.
+zlib.crc32(key) % partitions, else (idempotence="message_id") zlib.crc32(message_id) %
+partitions, else sticky batches that move on round-robin.
 """
 
 from __future__ import annotations
@@ -221,6 +222,9 @@ class RowEncoder:
             key = as_bytes(keys[i]) if keys is not None else None
             if not key:
                 key = None  # the producer refuses empty keys; an empty key is no key
+            mid = as_bytes(message_ids[i]) if message_ids is not None else None
+            if self._with_ids and not mid:
+                raise InvalidConfig(f"row {i}: message_id is null or empty")
             explicit = partitions[i] if partitions is not None else None
             if explicit is not None:
                 if not 0 <= explicit < config.partitions:
@@ -228,14 +232,15 @@ class RowEncoder:
                 p = explicit
             elif key is not None:
                 p = partition_for_key(key, config.partitions)
+            elif self._with_ids and mid:
+                # An id's dedup scope is its partition: a keyless row goes where its id goes
+                # (as the Python producer routes it), whichever task writes it.
+                p = partition_for_key(mid, config.partitions)
             else:
                 p = (self._first + self._keyless // opts.batch_size) % config.partitions
                 self._keyless += 1
             value = as_bytes(raw_value) or b""
             blob = headers_blob(headers[i]) if headers is not None else None
-            mid = as_bytes(message_ids[i]) if message_ids is not None else None
-            if self._with_ids and not mid:
-                raise InvalidConfig(f"row {i}: message_id is null or empty")
             size = len(value) + len(key or b"") + len(blob or b"")
             if size > MAX_MESSAGE_BYTES:
                 raise MessageTooLarge(size, MAX_MESSAGE_BYTES)

@@ -342,3 +342,25 @@ def test_a_bad_row_in_one_task_writes_nothing_from_any_task(
         write(df, spark_broker, topic="bad-rows", batchSize=10)
     assert values(spark_broker, "bad-rows") == Counter()
     assert "open" not in set(transaction_states(spark_broker).values())
+
+
+def test_a_rerun_with_message_ids_and_no_key_writes_nothing_twice(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    """idempotence=message_id: "a re-run of a whole job writes nothing twice" and the dedup
+    scope is the partition, so a keyless row must route by its id (as the Python producer
+    does), not by the Spark task it happens to run in."""
+    spark_broker.create_topic("ids-nokey", partitions=4)
+    df = spark.createDataFrame(
+        [(f"order-{i}", f"paid-{i}") for i in range(120)], "message_id string, value string"
+    )
+    write(df.coalesce(1), spark_broker, topic="ids-nokey", idempotence="message_id", batchSize=7)
+    # The re-run: the same rows, split over other tasks (another cluster size, a shuffle).
+    write(
+        df.repartition(3, "value"),
+        spark_broker,
+        topic="ids-nokey",
+        idempotence="message_id",
+        batchSize=7,
+    )
+    assert values(spark_broker, "ids-nokey") == Counter(b"paid-%d" % i for i in range(120))
