@@ -239,6 +239,8 @@ class RowEncoder:
             else:
                 p = (self._first + self._keyless // opts.batch_size) % config.partitions
                 self._keyless += 1
+            if raw_value is None:  # the producer refuses None too (no tombstones in a log)
+                raise InvalidConfig(f"row {i}: value is null (the value column is required)")
             value = as_bytes(raw_value) or b""
             blob = headers_blob(headers[i]) if headers is not None else None
             size = len(value) + len(key or b"") + len(blob or b"")

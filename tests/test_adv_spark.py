@@ -364,3 +364,15 @@ def test_a_rerun_with_message_ids_and_no_key_writes_nothing_twice(
         batchSize=7,
     )
     assert values(spark_broker, "ids-nokey") == Counter(b"paid-%d" % i for i in range(120))
+
+
+def test_a_null_value_is_refused_and_writes_nothing(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    """The value is required (the Python producer raises TypeError for None): a null value must
+    fail the write, not land as an empty message."""
+    spark_broker.create_topic("nulls", partitions=1)
+    df = spark.createDataFrame([("k1", "a"), ("k2", None), ("k3", "c")], "key string, value string")
+    with pytest.raises(Exception, match="value is null"):
+        write(df.coalesce(1), spark_broker, topic="nulls")
+    assert values(spark_broker, "nulls") == Counter()
