@@ -180,8 +180,8 @@ def test_login_next_never_leaves_the_console(shared_broker: redisq.Broker, targe
         _, _, page = client.get("/login?next=" + target.replace("\\", "%5C").replace("\t", "%09"))
         assert 'name="next"' in page
         csrf = client.csrf("/login")
-        status, headers, _ = client.post("/login",
-                                         {"csrf": csrf, "token": "tok-123", "next": target})  # fmt: skip
+        form = {"csrf": csrf, "token": "tok-123", "next": target}
+        status, headers, _ = client.post("/login", form)
         assert status == 303
         location = headers["location"]
         assert "\\" not in location and "\t" not in location and not location.startswith("//")
