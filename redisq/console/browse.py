@@ -104,6 +104,8 @@ def _scan(
     while scanned < limit and len(found) < wanted:
         batch = min(1000, limit - scanned)
         entries = broker.client.xrevrange(key, max=cursor, min="-", count=batch)
+        if not entries:  # an empty partition, or nothing before the cursor
+            break
         scanned += len(entries)
         found += [m for m in decode_entries(topic, partition, entries) if match(m)]  # type: ignore[operator]
         before = offset_before(text(entries[-1][0]))
