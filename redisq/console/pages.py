@@ -335,8 +335,10 @@ def replay_action(
     count = replay(console.broker, topic, group, offsets or None)
     return (
         f"/topics/{quote(topic)}/groups/{quote(group)}/deadletters",
-        "ok",
-        f"Replayed {count} dead letter{'s' if count != 1 else ''} to {topic}",
+        "ok" if count else "warn",
+        f"Replayed {count} dead letter{'s' if count != 1 else ''} to {topic}"
+        if count
+        else "No dead letters to replay",
     )
 
 
