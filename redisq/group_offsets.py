@@ -258,7 +258,10 @@ def _check_offset(offset: object) -> str:
 
 def _epoch_ms(when: datetime | int) -> int:
     if isinstance(when, datetime):
-        return int(when.timestamp() * 1000)  # a naive datetime is local time, as in Kafka
+        ms = int(when.timestamp() * 1000)  # a naive datetime is local time, as in Kafka
+        if ms < 0:  # stream IDs start at 1970-01-01T00:00:00Z
+            raise InvalidConfig(f"to_datetime={when.isoformat()}: before 1970-01-01T00:00:00Z")
+        return ms
     if isinstance(when, bool) or not isinstance(when, int) or when < 0:
         raise InvalidConfig(f"to_datetime={when!r}: a datetime or epoch milliseconds >= 0")
     return when
