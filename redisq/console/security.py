@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import time
@@ -26,7 +27,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 log = logging.getLogger("redisq.console")
 
@@ -178,6 +179,14 @@ class Guard:
         new_cookies: list[str],
     ) -> None:
         method, path = scope["method"], scope["path"]
+        host = headers.get("host")
+        if not self.credentials.required and host is not None and not _loopback_host(host):
+            # A console without credentials listens on loopback; a page under another name
+            # that resolves to 127.0.0.1 (DNS rebinding) would be same-origin with it.
+            await _plain(
+                send, 403, "This console has no credentials: it answers to localhost only."
+            )
+            return
         if path.startswith(PUBLIC_PATHS):
             await self.app(scope, receive, send)
             return
@@ -192,7 +201,10 @@ class Guard:
             new_cookies.append(_cookie(SESSION_COOKIE, self.session_value(), scope))
             rest = urlencode([(k, v) for k, v in parse_qsl(
                 scope.get("query_string", b"").decode("latin-1")) if k != "token"])  # fmt: skip
-            await _redirect(send, path + ("?" + rest if rest else ""))
+            # The same address, encoded again (scope["path"] is decoded: "%3F" is "?" there),
+            # and never "//host", which a browser reads as another site.
+            here = "/" + quote(path).lstrip("/")
+            await _redirect(send, here + ("?" + rest if rest else ""))
             return
         if path == LOGIN_PATH and method == "GET":
             await self.app(scope, receive, send)
@@ -254,10 +266,7 @@ class Guard:
             await self._unauthorized(scope, send)
             return
         new_cookies.append(_cookie(SESSION_COOKIE, self.session_value(), scope))
-        target = form.get("next", "/")
-        await _redirect(
-            send, target if target.startswith("/") and not target.startswith("//") else "/"
-        )
+        await _redirect(send, _local_path(form.get("next", "/")))
 
     async def _unauthorized(self, scope: Scope, send: Send) -> None:
         challenge = (
@@ -282,6 +291,35 @@ class Guard:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+def _local_path(target: str) -> str:
+    """target if it is a path of this console, else "/": browsers read "/\\host", "/<tab>/host"
+    and "//host" as another site (they turn backslashes into slashes and drop tabs and
+    newlines), so only printable ASCII without a backslash, one leading slash."""
+    if (
+        not target.startswith("/")
+        or target.startswith("//")
+        or "\\" in target
+        or any(not 0x21 <= ord(c) <= 0x7E for c in target)
+    ):
+        return "/"
+    return target
+
+
+def _loopback_host(host: str) -> bool:
+    """A Host header naming this machine's loopback: localhost, 127.0.0.0/8, [::1]."""
+    name = host.strip()
+    if name.startswith("["):
+        name = name[1 : name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def _cookies(header: str) -> dict[str, str]:
     jar: SimpleCookie = SimpleCookie()
     try:
