@@ -42,7 +42,9 @@ def base(redis_url: str, broker: redisq.Broker) -> list[str]:
     return ["--url", redis_url, "--namespace", broker.namespace]
 
 
-def run(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*REDISQ, *args], input=stdin, capture_output=True, text=True, timeout=timeout
     )
@@ -59,7 +61,9 @@ def consumed(broker: redisq.Broker, topic: str, group: str, messages: int) -> No
 
 def position(broker: redisq.Broker, topic: str, group: str) -> str:
     [info] = [
-        g for g in broker.client.xinfo_groups(broker.keys.log(topic, 0)) if g["name"] == group.encode()
+        g
+        for g in broker.client.xinfo_groups(broker.keys.log(topic, 0))
+        if g["name"] == group.encode()
     ]
     last = info["last-delivered-id"]
     return last.decode() if isinstance(last, bytes) else str(last)
@@ -117,9 +121,7 @@ def test_dlq_replay_of_an_offset_that_is_no_dead_letter_is_not_success(
 
 
 @pytest.mark.parametrize("value", ["nocolon", "user:", ":pw"])
-def test_console_with_malformed_basic_auth_is_a_usage_error(
-    base: list[str], value: str
-) -> None:
+def test_console_with_malformed_basic_auth_is_a_usage_error(base: list[str], value: str) -> None:
     """`redisq console --basic-auth nocolon` was a ValueError traceback and exit 1."""
     done = run(*base, "console", "--basic-auth", value, "--port", "0", timeout=60)
     assert done.returncode == 2, done.stderr
