@@ -208,6 +208,9 @@ def _entry_id(entry: Any) -> str:
 
 
 def _shift(broker: Broker, stream: str, base: str, by: int) -> str:
+    if by:  # clamped to the partition: a COUNT beyond it is refused by the server (int64)
+        length = int(broker.client.xlen(stream))
+        by = max(min(by, length + 1), -(length + 1))
     if by > 0:
         first = offset_after(base)
         if first is None:  # base is the largest stream ID: nothing comes after it
