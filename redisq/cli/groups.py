@@ -18,7 +18,7 @@ from redisq.cli.common import (
     say,
     warn,
 )
-from redisq.errors import GroupNotFound, RedisqError, TopicNotFound
+from redisq.errors import GroupNotFound, InvalidConfig, RedisqError, TopicNotFound
 from redisq.group import (
     GroupInUse,
     delete_group,
@@ -351,9 +351,15 @@ def dlq_replay(
         _require_dead_letters(broker, topic, group_name)
         if to_topic is not None:
             broker.topic_config(to_topic, refresh=True)
+        letters = list_dead_letters(broker, topic, group_name)
+        missing = sorted(set(offsets) - {d.message.offset for d in letters})
+        if missing:
+            raise InvalidConfig(
+                f"no dead letter of group {group_name!r} at {', '.join(missing)}: nothing replayed"
+            )
         chosen = [
             d
-            for d in list_dead_letters(broker, topic, group_name)
+            for d in letters
             if (not offsets or d.message.offset in offsets)
             and (raw_key is None or d.message.key == raw_key)
         ]
