@@ -146,7 +146,13 @@ def serve(
     try:
         # access_log off: uvicorn would log query strings (a ?token= visit); the guard logs
         # method, path and status of every request instead.
-        uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning")
+        try:
+            uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning")
+        except SystemExit as exc:  # uvicorn could not start (port in use, unknown host): it
+            # logged why and exits 3, which the CLI documents as "not found"
+            raise InvalidConfig(
+                f"could not serve on {where}:{port} (uvicorn exited {exc.code})"
+            ) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

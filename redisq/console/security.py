@@ -29,6 +29,8 @@ from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode
 
+from redisq.errors import InvalidConfig
+
 log = logging.getLogger("redisq.console")
 
 Scope = MutableMapping[str, Any]
@@ -73,7 +75,7 @@ class Credentials:
 def parse_basic_auth(value: str) -> tuple[str, str]:
     user, sep, password = value.partition(":")
     if not sep or not user or not password:
-        raise ValueError("basic auth must be USER:PASSWORD, both non-empty")
+        raise InvalidConfig("basic auth must be USER:PASSWORD, both non-empty")
     return user, password
 
 
