@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from redisq.errors import InvalidName, TopicNotFound
+from redisq.errors import GroupNotFound, InvalidConfig, InvalidName, TopicNotFound
+from redisq.group_admin import group_exists
 from redisq.keys import dead_letter_topic, parse_dead_letter_topic, validate_name, validate_topic
 from redisq.producer import Producer
 from redisq.records import MalformedMessage, Message, decode_fields, encode_fields, parse_id_field
@@ -202,6 +203,19 @@ def _read_letters(broker: Broker, name: str) -> list[DeadLetter]:
     ]
 
 
+def require_dead_letters(broker: Broker, topic: str, group: str) -> None:
+    """TopicNotFound / GroupNotFound, unless the group's dead-letter topic exists (it may
+    outlive its group: `group delete --keep-dead-letters`). The CLI and the console check this
+    before they list, replay or release."""
+    broker.topic_config(topic, refresh=True)
+    if group_exists(broker, topic, group):
+        return
+    try:
+        broker.topic_config(dead_letter_topic(topic, group), refresh=True)
+    except TopicNotFound:
+        raise GroupNotFound(topic, group) from None
+
+
 def replay_dead_letters(
     broker: Broker,
     topic: str,
@@ -219,14 +233,22 @@ def replay_dead_letters(
     carries its original key, value and headers (a malformed entry's readable ones: it comes
     back as a well-formed message). The re-send uses message id "replay/<dead-letter
     topic>/<offset>", so replaying twice after a crash between the send and the delete writes
-    it once (within the target's dedup window). Returns how many were replayed.
+    it once (within the target's dedup window). Returns how many were replayed. An offset that
+    is no dead letter of the group is refused (InvalidConfig) before anything is sent.
     """
     if to_topic is not None:
         validate_topic(to_topic)
     wanted = set(offsets) if offsets is not None else None
+    every = list_dead_letters(broker, topic, group)
+    missing = sorted((wanted or set()) - {d.message.offset for d in every})
+    if missing:
+        raise InvalidConfig(
+            f"no dead letter of group {group!r} at {', '.join(map(repr, missing))}: "
+            "nothing replayed"
+        )
     letters = [
         d
-        for d in list_dead_letters(broker, topic, group)
+        for d in every
         if (wanted is None or d.message.offset in wanted) and (key is None or d.message.key == key)
     ]
     if not letters:

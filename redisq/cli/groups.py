@@ -18,7 +18,7 @@ from redisq.cli.common import (
     say,
     warn,
 )
-from redisq.errors import GroupNotFound, InvalidConfig, RedisqError, TopicNotFound
+from redisq.errors import GroupNotFound, RedisqError, TopicNotFound
 from redisq.group import (
     GroupInUse,
     delete_group,
@@ -27,7 +27,6 @@ from redisq.group import (
     list_groups,
     reset_offsets,
 )
-from redisq.keys import dead_letter_topic
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -278,18 +277,6 @@ def group_exists_swapped(broker: Broker, group_name: str, topic: str) -> bool:
 
 
 # -- dead letters --------------------------------------------------------------------------------
-def _require_dead_letters(broker: Broker, topic: str, group_name: str) -> None:
-    """TopicNotFound / GroupNotFound, unless the group's dead-letter topic exists (it may
-    outlive its group: group delete --keep-dead-letters)."""
-    broker.topic_config(topic, refresh=True)
-    if group_exists(broker, topic, group_name):
-        return
-    try:
-        broker.topic_config(dead_letter_topic(topic, group_name), refresh=True)
-    except TopicNotFound:
-        raise GroupNotFound(topic, group_name) from None
-
-
 @click.group("dlq")
 def dlq() -> None:
     """Dead letters: list, replay, release a parked key."""
@@ -302,10 +289,10 @@ def dlq() -> None:
 @connection_options
 def dlq_list(topic: str, group_name: str, limit: int | None) -> int:
     """The dead letters of GROUP on TOPIC, oldest first."""
-    from redisq.deadletter import list_dead_letters
+    from redisq.deadletter import list_dead_letters, require_dead_letters
 
     with connect() as broker:
-        _require_dead_letters(broker, topic, group_name)
+        require_dead_letters(broker, topic, group_name)
         letters = list_dead_letters(broker, topic, group_name, count=limit)
     rows = [
         (
@@ -342,37 +329,29 @@ def dlq_replay(
 ) -> int:
     """Send dead letters of GROUP on TOPIC back to the topic each came from (or --to), then
     drop them from the dead-letter topic."""
-    from redisq.deadletter import list_dead_letters, replay_dead_letters
+    from redisq.deadletter import list_dead_letters, replay_dead_letters, require_dead_letters
 
     if not everything and not offsets and key is None:
         raise click.UsageError("dlq replay needs --all, --offset or --key")
     raw_key = key.encode() if key is not None else None
     with connect() as broker:
-        _require_dead_letters(broker, topic, group_name)
+        require_dead_letters(broker, topic, group_name)
         if to_topic is not None:
             broker.topic_config(to_topic, refresh=True)
-        letters = list_dead_letters(broker, topic, group_name)
-        missing = sorted(set(offsets) - {d.message.offset for d in letters})
-        if missing:
-            raise InvalidConfig(
-                f"no dead letter of group {group_name!r} at {', '.join(missing)}: nothing replayed"
-            )
         chosen = [
             d
-            for d in letters
+            for d in list_dead_letters(broker, topic, group_name)
             if (not offsets or d.message.offset in offsets)
             and (raw_key is None or d.message.key == raw_key)
         ]
-        count = 0
-        if chosen:
-            count = replay_dead_letters(
-                broker,
-                topic,
-                group_name,
-                offsets=[d.message.offset for d in chosen],
-                key=raw_key,
-                to_topic=to_topic,
-            )
+        count = replay_dead_letters(  # an offset that is no dead letter: InvalidConfig
+            broker,
+            topic,
+            group_name,
+            offsets=list(offsets) if offsets else None,
+            key=raw_key,
+            to_topic=to_topic,
+        )
     targets: dict[str, int] = {}
     for d in chosen:
         target = to_topic or d.topic or topic

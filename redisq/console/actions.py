@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from redisq.deadletter import list_dead_letters, release_key, replay_dead_letters
-from redisq.errors import GroupNotFound, InvalidConfig, TopicNotFound
+from redisq.deadletter import release_key, replay_dead_letters, require_dead_letters
+from redisq.errors import GroupNotFound, InvalidConfig
 from redisq.group import OffsetReset, reset_offsets
 from redisq.group_admin import group_exists
-from redisq.keys import dead_letter_topic
 from redisq.records import RecordMetadata
 
 if TYPE_CHECKING:
@@ -88,31 +87,11 @@ class Producers:
             producer.close(timeout=5)
 
 
-def _require_dead_letters(broker: Broker, topic: str, group: str) -> None:
-    """As `redisq dlq replay`: TopicNotFound / GroupNotFound, unless the group's dead-letter
-    topic exists (it may outlive its group: group delete --keep-dead-letters)."""
-    broker.topic_config(topic, refresh=True)
-    if group_exists(broker, topic, group):
-        return
-    try:
-        broker.topic_config(dead_letter_topic(topic, group), refresh=True)
-    except TopicNotFound:
-        raise GroupNotFound(topic, group) from None
-
-
 def replay(broker: Broker, topic: str, group: str, offsets: list[str] | None) -> int:
     """offsets (dead-letter offsets) or all of them; returns how many were replayed. A missing
     group, or an offset that is no dead letter of the group, is refused before anything is
-    sent."""
-    _require_dead_letters(broker, topic, group)
-    if offsets:
-        known = {d.message.offset for d in list_dead_letters(broker, topic, group)}
-        missing = [o for o in offsets if o not in known]
-        if missing:
-            raise InvalidConfig(
-                f"no dead letter of group {group!r} at {', '.join(map(repr, missing))}: "
-                "nothing replayed"
-            )
+    sent (as `redisq dlq replay`)."""
+    require_dead_letters(broker, topic, group)
     return replay_dead_letters(broker, topic, group, offsets=offsets or None)
 
 
