@@ -80,6 +80,15 @@ def broker_url(broker: redisq.Broker) -> str:
     return f"redis://{kwargs['host']}:{kwargs['port']}/0"
 
 
+def write(df: Any, broker: redisq.Broker, **options: Any) -> None:
+    """df written to the broker's namespace through the data source (options as strings)."""
+    builder = df.write.format("redisq").mode("append")
+    builder = builder.option("url", broker_url(broker)).option("namespace", broker.namespace)
+    for name, value in options.items():
+        builder = builder.option(name, str(value))
+    builder.save()
+
+
 def produce(
     broker: redisq.Broker, topic: str, count: int, *, keys: int = 7, start: int = 0, **extra: Any
 ) -> None:

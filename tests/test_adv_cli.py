@@ -14,12 +14,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import redisq
 from tests.conftest import drop_namespace
+from tests.test_adv_console import dead_lettered
 
 REDISQ = [sys.executable, "-m", "redisq.cli"]
 
@@ -103,16 +103,7 @@ def test_dlq_replay_of_an_offset_that_is_no_dead_letter_is_not_success(
 ) -> None:
     """`dlq replay --offset X` where X is no dead letter said "replayed 0 dead letters" and
     exited 0."""
-    broker.create_topic("orders", partitions=1)
-    with broker.producer() as producer:
-        producer.send("orders", b"v", key="k")
-
-    def fail(message: redisq.Message) -> None:
-        raise ValueError("no")
-
-    options: Any = {"max_attempts": 1, "failure_policy": "dead_letter", "retry_backoff_ms": 1}
-    with broker.consumer("orders", group="billing", **options) as consumer:
-        consumer.run(fail, idle_timeout=0.5)
+    dead_lettered(broker, "dead_letter")
     done = run(*base, "dlq", "replay", "orders", "billing", "--offset", "1-1")
     assert done.returncode != 0, done.stdout
     assert "1-1" in done.stderr and "Traceback" not in done.stderr

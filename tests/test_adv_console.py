@@ -85,7 +85,9 @@ def test_find_by_key_or_id_in_an_empty_partition_is_not_an_internal_error(
 
 
 # -- actions -------------------------------------------------------------------------------------
-def _dead_lettered(broker: redisq.Broker) -> None:
+def dead_lettered(broker: redisq.Broker, policy: str = "park_key") -> None:
+    """One message on orders/0 whose handler fails: dead-lettered by group billing (policy
+    park_key parks its key)."""
     broker.create_topic("orders", partitions=1)
     with broker.producer() as producer:
         producer.send("orders", b"v", key="k")
@@ -93,7 +95,7 @@ def _dead_lettered(broker: redisq.Broker) -> None:
     def fail(message: redisq.Message) -> None:
         raise ValueError("no")
 
-    options: Any = {"max_attempts": 1, "failure_policy": "park_key", "retry_backoff_ms": 1}
+    options: Any = {"max_attempts": 1, "failure_policy": policy, "retry_backoff_ms": 1}
     with broker.consumer("orders", group="billing", **options) as consumer:
         consumer.run(fail, idle_timeout=0.5)
 
@@ -104,7 +106,7 @@ def test_replay_for_a_missing_group_or_unknown_offsets_is_not_reported_as_done(
     """Replay on a group that does not exist said "ok: Replayed 0 dead letters" (and sent the
     browser to a 404); replay of offsets that are no dead letter (or not even offsets) said the
     same. The CLI refuses the first (GroupNotFound); neither is a success."""
-    _dead_lettered(shared_broker)
+    dead_lettered(shared_broker)
     dead_letter_log = shared_broker.keys.log("orders~dlq~billing", 0)
     with running_console(shared_broker) as base:
         client = Client(base)
@@ -128,7 +130,7 @@ def test_replay_for_a_missing_group_or_unknown_offsets_is_not_reported_as_done(
 def test_release_on_a_missing_group_says_not_found(shared_broker: redisq.Broker) -> None:
     """As `redisq dlq release` (GroupNotFound, exit 3): the console said "Key 'k' was not
     parked" and redirected to a 404 page."""
-    _dead_lettered(shared_broker)
+    dead_lettered(shared_broker)
     with running_console(shared_broker) as base:
         client = Client(base)
         csrf = client.csrf("/topics/orders/groups/billing/deadletters")
@@ -141,7 +143,7 @@ def test_release_on_a_missing_group_says_not_found(shared_broker: redisq.Broker)
 def test_reset_to_a_datetime_before_1970_is_a_clear_error(shared_broker: redisq.Broker) -> None:
     """The library's reset_offsets refuses negative epoch ms with InvalidConfig, but a datetime
     before 1970 went through and failed deep inside ("'-31536000000-0' is not a stream ID")."""
-    _dead_lettered(shared_broker)
+    dead_lettered(shared_broker)
     with running_console(shared_broker) as base:
         client = Client(base)
         path = "/topics/orders/groups/billing"
@@ -233,7 +235,7 @@ def test_console_with_credentials_still_answers_any_host_name(
 def test_dead_letter_page_shows_a_foreign_letter(shared_broker: redisq.Broker) -> None:
     """An entry written into the dead-letter topic by something else (no x-redisq headers)
     lists, escaped, and the page stays a page."""
-    _dead_lettered(shared_broker)
+    dead_lettered(shared_broker)
     shared_broker.client.xadd(
         shared_broker.keys.log("orders~dlq~billing", 0), {b"x\xff": b"<script>alert(1)</script>"}
     )

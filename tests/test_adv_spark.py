@@ -20,17 +20,31 @@ from tests.spark_conftest import (  # noqa: F401
     spark_broker,
     stream_reader,
     transaction_states,
+    write,
 )
 
 pytestmark = pytest.mark.spark
 
 
-def write(df: Any, broker: redisq.Broker, **options: Any) -> None:
-    builder = df.write.format("redisq").mode("append")
-    builder = builder.option("url", broker_url(broker)).option("namespace", broker.namespace)
-    for name, value in options.items():
-        builder = builder.option(name, str(value))
-    builder.save()
+def read_available(
+    spark: Any, broker: redisq.Broker, topic: str, per_trigger: int, checkpoint: Path
+) -> list[bytes]:
+    """The values a stream of `topic` reads from its checkpoint (earliest the first time), in
+    micro-batches of at most per_trigger entries, until it has read what is there."""
+    seen: list[bytes] = []
+    query = (
+        stream_reader(
+            spark, broker, subscribe=topic, startingOffsets="earliest",
+            maxOffsetsPerTrigger=per_trigger,
+        )
+        .writeStream.foreachBatch(lambda b, _: seen.extend(bytes(r.value) for r in b.collect()))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )  # fmt: skip
+    query.awaitTermination(180)
+    assert query.exception() is None
+    return seen
 
 
 def values(broker: redisq.Broker, topic: str) -> Counter[bytes]:
@@ -91,22 +105,7 @@ def test_a_foreign_entry_at_the_largest_sequence_is_read_by_a_rate_limited_strea
     key = spark_broker.keys.log("edge-s", 0)
     spark_broker.client.xadd(key, {"v": b"foreign"}, id=f"5-{MAX_PART}")
     produce(spark_broker, "edge-s", 3)
-    seen: list[bytes] = []
-    query = (
-        stream_reader(
-            spark,
-            spark_broker,
-            subscribe="edge-s",
-            startingOffsets="earliest",
-            maxOffsetsPerTrigger=1,
-        )
-        .writeStream.foreachBatch(lambda b, _: seen.extend(bytes(r.value) for r in b.collect()))
-        .option("checkpointLocation", str(tmp_path / "cp"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination(180)
-    assert query.exception() is None
+    seen = read_available(spark, spark_broker, "edge-s", 1, tmp_path / "cp")
     assert seen == [b"foreign", b"v0", b"v1", b"v2"]
 
 
@@ -128,29 +127,10 @@ def test_a_stream_reads_an_entry_at_the_largest_id_once_and_restarts_after_it(
     produce(spark_broker, "edge-max-s", 2)
     key = spark_broker.keys.log("edge-max-s", 0)
     spark_broker.client.xadd(key, {"v": b"foreign"}, id=f"{MAX_PART}-{MAX_PART}")
-    seen: list[bytes] = []
-
-    def run() -> None:
-        query = (
-            stream_reader(
-                spark,
-                spark_broker,
-                subscribe="edge-max-s",
-                startingOffsets="earliest",
-                maxOffsetsPerTrigger=2,
-            )
-            .writeStream.foreachBatch(lambda b, _: seen.extend(bytes(r.value) for r in b.collect()))
-            .option("checkpointLocation", str(tmp_path / "cp"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination(180)
-        assert query.exception() is None
-
-    run()
+    seen = read_available(spark, spark_broker, "edge-max-s", 2, tmp_path / "cp")
     assert seen == [b"v0", b"v1", b"foreign"]
-    run()  # restarted from its checkpoint: nothing again, no error
-    assert seen == [b"v0", b"v1", b"foreign"]
+    # restarted from its checkpoint: nothing again, no error
+    assert read_available(spark, spark_broker, "edge-max-s", 2, tmp_path / "cp") == []
 
 
 # -- passwords never shown ----------------------------------------------------------------------

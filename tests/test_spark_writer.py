@@ -20,17 +20,10 @@ from tests.spark_conftest import (  # noqa: F401
     spark_broker,
     stream_reader,
     transaction_states,
+    write,
 )
 
 pytestmark = pytest.mark.spark
-
-
-def write(df: Any, broker: redisq.Broker, **options: Any) -> None:
-    builder = df.write.format("redisq").mode("append")
-    builder = builder.option("url", broker_url(broker)).option("namespace", broker.namespace)
-    for name, value in options.items():
-        builder = builder.option(name, str(value))
-    builder.save()
 
 
 def all_messages(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
