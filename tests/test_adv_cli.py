@@ -119,6 +119,15 @@ def test_console_with_malformed_basic_auth_is_a_usage_error(base: list[str], val
     assert "Traceback" not in done.stderr and "USER:PASSWORD" in done.stderr
 
 
+@pytest.mark.parametrize("option", ["--token", "--basic-auth"])
+def test_console_with_an_empty_secret_is_a_usage_error(base: list[str], option: str) -> None:
+    """`redisq console --token ""` served without any authentication (the empty value was
+    dropped as if none was given)."""
+    done = run(*base, "console", option, "", "--port", "0", timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "empty" in done.stderr
+
+
 def test_console_on_a_port_in_use_exits_2_not_3(base: list[str]) -> None:
     """uvicorn exits 3 when it cannot bind; the CLI passed that on, and 3 is documented as
     "not found: the topic or group does not exist". It could not run: 2."""

@@ -56,9 +56,10 @@ def console(
     argv += ["--sample-interval", str(sample_interval)]
     if chosen.resolved_url:
         argv += ["--url", chosen.resolved_url]
-    if token:
+    # An empty one is refused (InvalidConfig), not taken for "no authentication".
+    if token is not None:
         argv += ["--token", token]
-    if basic_auth:
+    if basic_auth is not None:
         argv += ["--basic-auth", basic_auth]
     if read_only:
         argv.append("--read-only")
