@@ -23,6 +23,18 @@ class InvalidConfig(RedisqError, ValueError):
     """A parameter outside its allowed range."""
 
 
+def log_text(value: object, limit: int = 500) -> str:
+    """str(value) for one log line: what the user's code put in it (a handler's exception text)
+    cannot start a line of its own or send terminal escapes: characters that do not print are
+    escaped (a newline as \\n), and it is cut at `limit` characters."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
     """Validate an int parameter eagerly: TypeError for another type, InvalidConfig with the value
     and the allowed range when it is outside."""

@@ -18,7 +18,7 @@ import redis
 
 from redisq.chunks import admitted_chunks, lanes, lanes_end
 from redisq.dispatch import OrderlyPartition
-from redisq.errors import InvalidName, LeaseLost
+from redisq.errors import InvalidName, LeaseLost, log_text
 from redisq.ownership import TopicPartition
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
 from redisq.protocol.group import Commit, Lease
@@ -343,7 +343,7 @@ class Worker(threading.Thread):
         log.warning(
             "%s: %s/%d@%s attempt %d failed (%s: %s)",
             self.consumer.name, *self.tp, message.offset, message.attempt,
-            type(error).__name__, error,
+            type(error).__name__, log_text(error),
         )  # fmt: skip
 
     def _attempts(
@@ -442,7 +442,7 @@ class Worker(threading.Thread):
             log.error(
                 "%s: %s/%d@%s dead-lettered after %d attempts%s: %s",
                 self.consumer.name, *self.tp, message.offset, attempts,
-                " (key parked)" if park else "", error,
+                " (key parked)" if park else "", log_text(error),
             )  # fmt: skip
         if reader is not None:
             malformed = isinstance(message, MalformedMessage)
