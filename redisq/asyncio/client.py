@@ -211,3 +211,16 @@ async def stop_task(task: asyncio.Task[Any], grace_s: float, halt: Callable[[], 
         task.cancel()
         await asyncio.wait({task}, timeout=1)
     return False
+
+
+async def wait_acknowledged(future: asyncio.Future[T], timeout: float | None) -> T:
+    """A send's acknowledgement, waited for at most timeout seconds (a checked one, or None):
+    TimeoutError as redisq.SendFuture.result raises it; the message is not given up."""
+    if timeout is None:
+        return await future
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+    except TimeoutError:
+        if future.done():  # it came as the wait ended
+            return future.result()
+        raise TimeoutError(f"no acknowledgement within {timeout} s") from None

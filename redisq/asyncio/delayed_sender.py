@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from redisq import errors
 from redisq import identity as identity_ops
-from redisq.asyncio.client import run_operation, stop_task
+from redisq.asyncio.client import run_operation, stop_task, wait_acknowledged
 from redisq.asyncio.scheduler import Scheduler
 from redisq.delayed import (
     DelayedBatch,
@@ -92,8 +92,8 @@ class DelayedSender:
             self._drainer = asyncio.ensure_future(self._drain_deferred())
         return future
 
-    async def send(self, *args: Any) -> RecordMetadata:
-        """Queue and send at once (no linger); wait until acknowledged."""
+    async def send(self, *args: Any, timeout: float | None = None) -> RecordMetadata:
+        """Queue and send at once (no linger); wait until acknowledged (at most timeout s)."""
         self._check(args)
         config = await self._topic_config(args[0])  # TopicNotFound raises here
         while self._deferred:  # keep the order of earlier send_async() calls
@@ -102,7 +102,7 @@ class DelayedSender:
         batch = self._enqueue(config, args, future)
         self._core.seal(batch)
         self._wake.set()
-        return await future
+        return await wait_acknowledged(future, timeout)
 
     def _check(self, args: _Args) -> None:
         check_when_types(args[6], args[7])

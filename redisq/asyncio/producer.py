@@ -28,7 +28,7 @@ import redis
 from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
-from redisq.asyncio.client import stop_task
+from redisq.asyncio.client import stop_task, wait_acknowledged
 from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
@@ -314,17 +314,21 @@ class Producer:
         headers: Mapping[str, str | bytes] | None = None,
         message_id: bytes | str | int | None = None,
         partition: int | None = None,
+        timeout: float | None = None,
         delay_ms: int | None = None,
         deliver_at: datetime | None = None,
         timestamp_ms: int | None = None,
     ) -> RecordMetadata:
-        """Send one message and wait until it is acknowledged (no linger)."""
+        """Send one message and wait until it is acknowledged (no linger). timeout: as
+        redisq.Producer.send, seconds to wait (None: until delivery_timeout_ms decides); a
+        TimeoutError then says nothing about the message, which may still be delivered."""
+        timeout = check_timeout(timeout)  # before queuing: a bad timeout must not follow a write
         core = self._core
         self._refuse_unsendable()  # before _topic_config(), which starts it
         if delay_ms is not None or deliver_at is not None:
             refuse_timestamp_with_delay(timestamp_ms)
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
-            return await self._delayed.send(*args)
+            return await self._delayed.send(*args, timeout=timeout)
         cached = self._topics.get(topic)
         if cached is None:
             config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
@@ -347,7 +351,7 @@ class Producer:
         )
         core.seal_batch(batch)
         self._wake.set()
-        return await future
+        return await wait_acknowledged(future, timeout)
 
     async def _wait_progress(self) -> None:
         self._progress.clear()
