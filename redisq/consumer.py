@@ -37,6 +37,7 @@ from redisq.dispatch import (
     transaction_inputs,
 )
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
+from redisq.futures import check_timeout
 from redisq.idempotent import IdempotentHandler
 from redisq.ownership import TopicPartition, held_partition, topic_partition
 from redisq.protocol.group import Lease
@@ -268,7 +269,10 @@ class Consumer(Coordinator):
                 reader.ack([message.offset], time.monotonic())
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish the messages in flight, commit, release the leases and leave the group."""
+        """Finish the messages in flight, commit, release the leases and leave the group.
+        timeout: seconds (None: no limit; TypeError / InvalidConfig otherwise, before anything
+        is done); a partition whose handler is still running then keeps its lease."""
+        timeout = check_timeout(timeout)
         if self._closed:
             return
         self._closed = True

@@ -29,6 +29,7 @@ from redisq.dispatch import (
     transaction_inputs,
 )
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
+from redisq.futures import check_timeout
 from redisq.ownership import TopicPartition, held_partition, topic_partition
 from redisq.partition import PartitionIO
 from redisq.policies import DeadLetter
@@ -204,25 +205,35 @@ class Consumer(Coordinator):
                 raise InvalidConfig(f"{partition} is not assigned to {self.name}")
             owned.paused = paused
 
-    async def close(self) -> None:
-        """Finish the messages in flight, commit, release the leases and leave the group."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Finish the messages in flight, commit, release the leases and leave the group. See
+        redisq.Consumer.close: a partition whose handler is still running after timeout
+        seconds keeps its lease (it runs out unrenewed, or the handler's task hands the
+        partition over when it ends)."""
+        timeout = check_timeout(timeout)
         if self._closed:
             return
         self._closed = True
         self._stopping.set()
         self.ownership.stopping = True
+        running: set[TopicPartition] = set()
         try:
             if self._workers:
-                await asyncio.gather(*self._workers.values(), return_exceptions=True)
+                workers = dict(self._workers)
+                _, pending = await asyncio.wait(workers.values(), timeout=timeout)
+                running = {tp for tp, task in workers.items() if task in pending}
             for tp in list(self._readers) + list(self.ownership.owned):
-                await self._finish(tp)
+                if tp not in running:
+                    await self._finish(tp)
         finally:  # also when close() itself is cancelled: the coordinator does not outlive it
             if self._coordinator is not None:
                 await stop_task(self._coordinator, 0, self._halt)
         # What the coordinator took up while the partitions above were finished (an acquire
         # answered meanwhile), and acquires it had no answer to.
         for tp in list(self.ownership.owned):
-            await self._finish(tp)
+            task = self._workers.get(tp)
+            if task is None or task.done():
+                await self._finish(tp)
         for tp in list(self.ownership.requests):
             self.ownership.give_up(tp)
         for request, tp in list(self.ownership.giving_up.items()):
