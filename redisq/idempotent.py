@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from redisq.errors import check_int
 from redisq.keys import validate_name
+from redisq.protocol import Command, Operation, ScriptCall, run_operation
 from redisq.records import Message
 from redisq.topic import MAX_TOPIC_SETTING
 
@@ -39,8 +40,9 @@ def message_ident(message: Message) -> str:
     return "o:" + message.offset
 
 
-class IdempotentHandler:
-    """Wraps handler(message) so its effect happens once per message (see the module doc).
+class IdempotentSettings:
+    """What both drivers' idempotent handlers share: the settings, the marker key, and the
+    Redis steps (protocol operations) of claiming, finishing and releasing a message.
 
     processing_ttl_ms must exceed the handler's longest run: past it, a duplicate delivery may
     start while the first run is still going.
@@ -48,7 +50,7 @@ class IdempotentHandler:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: Any,
         handler: Callable[[Message], Any],
         *,
         scope: str,
@@ -68,37 +70,52 @@ class IdempotentHandler:
         self.skipped = 0
         self.ran = 0
 
-    def _claim(self, key: str, marker: str) -> bool:
-        """SET NX processing: True to run; False if the message is done (skip). While another
-        run holds the marker (live, or crashed and not yet expired) this waits."""
-        client = self._broker.client
-        while True:
-            if client.set(key, marker, nx=True, px=self.processing_ttl_ms):
-                return True
-            state = client.get(key)
-            if state == DONE:
-                return False
-            if state is not None:
-                time.sleep(self._wait_poll_s)
-
-    def __call__(self, message: Message) -> Any:
-        key = self._broker.keys.idempotency(
+    def marker_key(self, message: Message) -> str:
+        return self._broker.keys.idempotency(  # type: ignore[no-any-return]
             message.topic, message.partition, self.scope, message_ident(message)
         )
+
+    def claim(self, key: str, marker: str) -> Operation[bool | None]:
+        """SET NX processing: True to run; False if the message is done (skip); None while
+        another run holds the marker (live, or crashed and not yet expired): ask again."""
+        if (yield Command(("SET", key, marker, "NX", "PX", self.processing_ttl_ms))):
+            return True
+        state = yield Command(("GET", key))
+        return False if state == DONE else None
+
+    def finished(self, key: str) -> Command[Any]:
+        return Command(("SET", key, DONE, "PX", self.done_ttl_ms))
+
+    @staticmethod
+    def released(key: str, marker: str, topic: str) -> ScriptCall[Any]:
+        """release_lease.lua: delete the marker only if it is still ours (the handler raised)."""
+        return ScriptCall("release_lease", (key,), (marker,), topic=topic)
+
+    def skip(self, message: Message) -> None:
+        self.skipped += 1
+        log.debug(
+            "skipping %s/%d@%s: done before", message.topic, message.partition, message.offset
+        )
+
+
+class IdempotentHandler(IdempotentSettings):
+    """Wraps handler(message) so its effect happens once per message (see the module doc)."""
+
+    def __call__(self, message: Message) -> Any:
+        key = self.marker_key(message)
         marker = "processing:" + secrets.token_hex(8)
-        if not self._claim(key, marker):
-            self.skipped += 1
-            log.debug(
-                "skipping %s/%d@%s: done before", message.topic, message.partition, message.offset
-            )
+        execute = self._broker.scripts.execute
+        while (claimed := run_operation(self.claim(key, marker), execute)) is None:
+            time.sleep(self._wait_poll_s)
+        if not claimed:
+            self.skip(message)
             return None
         try:
             result = self._handler(message)
         except BaseException:
-            # release_lease.lua: delete the marker only if it is still ours.
-            self._broker.scripts.call("release_lease", [key], [marker], topic=message.topic)
+            execute(self.released(key, marker, message.topic))
             raise
-        self._broker.client.set(key, DONE, px=self.done_ttl_ms)
+        execute(self.finished(key))
         self.ran += 1
         return result
 

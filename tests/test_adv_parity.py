@@ -411,16 +411,3 @@ def test_send_positional_timeout(api: Any) -> None:
 def _read(api: Any, topic: str) -> list[Any]:
     with redisq.connect(URL, namespace=api.broker.namespace) as broker:
         return list(broker.read(topic, 0))
-
-
-def test_consumer_idempotent_helper(api: Any, request: pytest.FixtureRequest) -> None:
-    """README, Consuming: `consumer.run(consumer.idempotent(handle))`."""
-    if api.name == "async":
-        reason = "the asyncio consumer has no idempotent() helper (not fixed)"
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
-    api.broker.create_topic("t", 1)
-    consumer = api.broker.consumer("t", "g", "m", **FAST)
-    try:
-        assert callable(consumer.idempotent(lambda message: None))
-    finally:
-        consumer.close()

@@ -1108,3 +1108,46 @@ def test_orderly_run_while_connections_are_killed() -> None:
         assert ns[0] == 0, key
         skipped = [(a, b) for a, b in zip(ns, ns[1:], strict=False) if b > a + 1]
         assert not skipped, f"key {key} skipped ahead: {skipped[:3]}"
+
+
+@aio
+async def test_idempotent_helper_skips_done_and_reruns_failed(env: Env) -> None:
+    """The thread test's twin (tests/test_consumer.py): README, Consuming:
+    `consumer.run(consumer.idempotent(handle))`; a coroutine function or a plain one."""
+    async with env.connect() as broker:
+        await broker.create_topic("orders", partitions=1)
+        await produce(broker, "orders", keys=1, per_key=3)
+        effects: list[int] = []
+        fail_once = {1}
+
+        async def effect(message: Message) -> None:
+            n = json.loads(message.value)["n"]
+            if n in fail_once:
+                fail_once.discard(n)
+                raise RuntimeError("transient")
+            effects.append(n)
+
+        async with broker.consumer("orders", "g", **FAST) as consumer:
+            handler = consumer.idempotent(effect, processing_ttl_ms=500)
+            messages = await consumer.poll(timeout=10)
+            assert len(messages) == 3
+            for message in messages:
+                try:
+                    await handler(message)
+                except RuntimeError:
+                    await handler(message)  # the failed run left no marker: it runs again
+            for message in messages:  # a redelivery of everything: all done, all skipped
+                await handler(message)
+            assert effects == [0, 1, 2] and handler.skipped == 3 and handler.ran == 3
+            plain = consumer.idempotent(lambda message: effects.append(-1))  # a plain function
+            for message in messages:
+                await plain(message)
+            assert plain.skipped == 3 and effects == [0, 1, 2]
+            await consumer.ack(messages)
+        async with broker.consumer("orders", "g2", **FAST) as consumer:  # another group: run
+            ran: list[int] = []
+            wrapped = consumer.idempotent(
+                lambda message: ran.append(json.loads(message.value)["n"])
+            )
+            assert await consumer.run(wrapped, idle_timeout=1.0) == 3
+            assert ran == [0, 1, 2] and wrapped.ran == 3

@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from redisq.asyncio.client import stop_task
+from redisq.asyncio.idempotent import AsyncIdempotentHandler
 from redisq.dispatch import (
     OrderlyPartition,
     messages_by_partition,
@@ -75,6 +76,14 @@ class Consumer(Coordinator):
         if len(self.topics) == 1 and self._pattern is None:
             return [p for _, p in held]
         return held
+
+    def idempotent(
+        self, handler: Callable[[Message], Any], **options: Any
+    ) -> AsyncIdempotentHandler:
+        """handler (a coroutine function or a plain one) wrapped so that a redelivered message
+        whose handling finished is skipped (scope: this group). See redisq.Consumer.idempotent
+        and `redisq.idempotent.IdempotentHandler`."""
+        return AsyncIdempotentHandler(self.broker, handler, scope=self.group, **options)
 
     async def run(
         self,

@@ -307,18 +307,12 @@ class Producer:
         self._progress.set()
 
     async def send(
-        self,
-        topic: str,
-        value: bytes | str,
-        key: bytes | str | None = None,
+        self, topic: str, value: bytes | str, key: bytes | str | None = None,
         headers: Mapping[str, str | bytes] | None = None,
-        message_id: bytes | str | int | None = None,
-        partition: int | None = None,
-        timeout: float | None = None,
-        delay_ms: int | None = None,
-        deliver_at: datetime | None = None,
-        timestamp_ms: int | None = None,
-    ) -> RecordMetadata:
+        message_id: bytes | str | int | None = None, partition: int | None = None,
+        timeout: float | None = None, delay_ms: int | None = None,
+        deliver_at: datetime | None = None, timestamp_ms: int | None = None,
+    ) -> RecordMetadata:  # fmt: skip
         """Send one message and wait until it is acknowledged (no linger). timeout: as
         redisq.Producer.send, seconds to wait (None: until delivery_timeout_ms decides); a
         TimeoutError then says nothing about the message, which may still be delivered."""
