@@ -329,6 +329,7 @@ class Round:
                 batch,
                 acked_next=core.acked_next(batch),
                 window=settings.window,
+                retry_horizon_ms=settings.delivery_timeout_ms,
             )
             key = call.keys[0]
             node = router.node_for(key)

@@ -160,12 +160,17 @@ def produce(
     *,
     acked_next: int,
     window: int,
+    retry_horizon_ms: int = 0,
 ) -> ScriptCall[BatchResult]:
     """Append a sealed batch: produce_sequence.lua, produce_message_id.lua or produce.lua.
 
     acked_next: the sequence (message_id mode: batch number) after the last batch of this
-    identity acknowledged on the partition; window: batches remembered with their offsets.
+    identity acknowledged on the partition; window: batches remembered with their offsets;
+    retry_horizon_ms: how long the producer may re-send this batch (its delivery timeout): the
+    state that makes a re-send a duplicate must live at least that long, whatever the topic's
+    producer_state_ttl_ms.
     """
+    state_ttl_ms = max(config.state_ttl_ms, retry_horizon_ms)
     topic, p = batch.topic, batch.partition
     log_key = keys.log(topic, p)
     named = "1" if identity.named else "0"
@@ -181,7 +186,7 @@ def produce(
                 batch.count,
                 acked_next,
                 window,
-                config.state_ttl_ms,
+                state_ttl_ms,
                 config.retention_messages,
                 config.retention_ms,
                 batch.layout,
@@ -212,7 +217,7 @@ def produce(
                 batch.count,
                 batch.base_seq,  # the batch number, in this mode
                 acked_next,
-                config.state_ttl_ms,
+                state_ttl_ms,
                 named,
             ),
             _message_id_reply,
