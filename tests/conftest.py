@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -122,16 +123,25 @@ def namespace() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
+@contextmanager
+def broker_in(url: str, namespace: str) -> Iterator[redisq.Broker]:
+    """A broker in `namespace`, emptied and closed afterwards."""
+    broker = redisq.connect(url, namespace=namespace)
+    try:
+        yield broker
+    finally:
+        try:
+            drop_namespace(broker)
+        except redis.RedisError:
+            pass
+        broker.close()
+
+
 @pytest.fixture
 def broker(server_url: str, namespace: str) -> Iterator[redisq.Broker]:
     """A broker on each backend, in a namespace of its own, emptied afterwards."""
-    broker = redisq.connect(server_url, namespace=namespace)
-    yield broker
-    try:
-        drop_namespace(broker)
-    except redis.RedisError:
-        pass
-    broker.close()
+    with broker_in(server_url, namespace) as broker:
+        yield broker
 
 
 @pytest.fixture(params=["valkey", "redis"])

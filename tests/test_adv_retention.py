@@ -9,13 +9,14 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-import redis
 
 import redisq
 from redisq.errors import ProducerFenced
-from tests.conftest import drop_namespace
+from tests.conftest import broker_in
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
+from tests.test_consumer import wait_until
+from tests.txhelp import values_of
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -23,30 +24,8 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 @pytest.fixture
 def rbroker() -> Iterator[redisq.Broker]:
     """The shared Redis 7.0, in a namespace of this test's own."""
-    broker = redisq.connect(REDIS_URL, namespace=f"advret{uuid.uuid4().hex[:10]}")
-    yield broker
-    try:
-        drop_namespace(broker)
-    except redis.RedisError:
-        pass
-    broker.close()
-
-
-def values(broker: redisq.Broker, topic: str) -> list[bytes]:
-    config = broker.topic_config(topic, refresh=True)
-    out: list[bytes] = []
-    for p in range(config.partitions):
-        out += [m.value for m in broker.read(topic, p)]
-    return out
-
-
-def wait_until(condition, timeout: float = 20.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    with broker_in(REDIS_URL, f"advret{uuid.uuid4().hex[:10]}") as broker:
+        yield broker
 
 
 # -- producer state shorter than the producer's retry horizon -----------------------------------
@@ -74,7 +53,7 @@ def test_retry_after_producer_state_expired_writes_no_duplicate(
         wait_until(lambda: proxy.holds_for_server(b"PAYLOAD-ONCE"), what="the batch held")
         assert proxy.lose_answers(b"PAYLOAD-ONCE") >= 1  # it runs; its answer is lost
         assert proxy.wait_released(10)
-        assert values(direct, "orders").count(b"PAYLOAD-ONCE") == 1
+        assert values_of(direct, "orders").count(b"PAYLOAD-ONCE") == 1
         time.sleep(1.6)  # the producer state (TTL 1 s) expires; retries are held meanwhile
         proxy.reset_all()  # the lost answer goes with its connection
         proxy.heal()
@@ -83,7 +62,7 @@ def test_retry_after_producer_state_expired_writes_no_duplicate(
         proxy.heal()
         producer.close(timeout=10)
         broker.close()
-    stored = values(direct, "orders")
+    stored = values_of(direct, "orders")
     direct.close()
     assert stored.count(b"PAYLOAD-ONCE") == 1, (
         f"a retried batch was written twice once its producer state expired: {stored} ({meta})"
@@ -111,7 +90,7 @@ def test_named_producer_sends_again_after_its_state_expired(
         producer.flush()
         tail = [f.result() for f in futures]
     assert not any(m.duplicate for m in first + later + tail)
-    stored = values(rbroker, "orders")
+    stored = values_of(rbroker, "orders")
     expected = [f"{p}{i}".encode() for p in "abc" for i in range(50 if p == "c" else 20)]
     assert sorted(stored) == sorted(expected)
 
@@ -152,7 +131,7 @@ def test_fenced_zombie_cannot_write_to_a_partition_added_after_the_fence(
                         time.sleep(0.1)
     finally:
         old.close(timeout=5)
-    stored = values(rbroker, "orders")
+    stored = values_of(rbroker, "orders")
     assert not [v for v in stored if v.startswith(b"zombie")], stored
 
 
@@ -367,7 +346,7 @@ def test_recreated_topic_with_fewer_partitions_and_a_cached_producer(
                 )
             except Exception as exc:  # noqa: BLE001
                 errors.append((i, repr(exc)))
-    stored = values(rbroker, "t")
+    stored = values_of(rbroker, "t")
 
     assert not [r for r in results if r.duplicate], results
     assert not errors, errors
@@ -423,7 +402,7 @@ def test_message_id_resent_after_the_topic_grew_is_a_duplicate(rbroker: redisq.B
     with rbroker.producer(idempotence="message_id") as producer:
         again = {i: producer.send("t", b"v", message_id=i) for i in ids}
     written_twice = [i for i in ids if not again[i].duplicate]
-    stored = values(rbroker, "t")
+    stored = values_of(rbroker, "t")
     assert not written_twice, (
         f"{len(written_twice)} of {len(ids)} ids written again after growing: "
         f"{len(stored)} stored; e.g. {first[written_twice[0]]} then {again[written_twice[0]]}"
