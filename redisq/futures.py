@@ -56,12 +56,24 @@ class Waiter:
 
 def finished(batch: FutureBatch) -> None:
     """The batch is done (acknowledged or failed): wake its waiters, run its callbacks."""
+    run_callbacks(batch, mark_finished(batch))
+
+
+def mark_finished(batch: FutureBatch) -> list[tuple[int, Callable[[SendFuture], None]]] | None:
+    """Wake the batch's waiters and take its callbacks (to be run by run_callbacks(), with no
+    lock of the producer held: a callback may send again)."""
     waiter: Waiter = batch.waiter
     waiter.event.set()
     # Taken under the lock after the event is set: add_done_callback() either appended before
     # (its callback is in the list) or sees the event set (and calls its callback itself).
     with _callbacks_lock:
         callbacks, waiter.callbacks = waiter.callbacks, None
+    return callbacks
+
+
+def run_callbacks(
+    batch: FutureBatch, callbacks: list[tuple[int, Callable[[SendFuture], None]]] | None
+) -> None:
     if callbacks:
         for index, callback in callbacks:
             try:
