@@ -23,6 +23,7 @@ again by the next owner. Exactly-once effects need an idempotent handler (`Consu
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -274,9 +275,29 @@ class Consumer(Coordinator):
         is done); a partition whose handler is still running then keeps its lease."""
         timeout = check_timeout(timeout)
         if self._closed:
+            if not self._own_thread():  # closing in another thread (or a thread of ours)
+                self._close_done.wait(timeout)
             return
         self._closed = True
         self._stopping.set()
+        if self._own_thread():
+            # From a handler or an on_assign/on_revoke callback: waiting here for the workers
+            # and the coordinator would wait for this very thread. The rest is done in a thread
+            # of its own (run() returns once it is done; Kafka's close() from a callback does
+            # not wait either).
+            threading.Thread(
+                target=self._close, args=(timeout,), name=f"redisq-close-{self.name}", daemon=True
+            ).start()
+            return
+        self._close(timeout)
+
+    def _close(self, timeout: float | None) -> None:
+        try:
+            self._close_steps(timeout)
+        finally:
+            self._close_done.set()
+
+    def _close_steps(self, timeout: float | None) -> None:
         with self._lock:
             self.ownership.stopping = True
             workers = list(self._workers.values())

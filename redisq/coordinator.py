@@ -42,6 +42,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("redisq.consumer")
 
+# The consumer whose thread this is (its coordinator, a run() worker or lane): close() called
+# there, from a handler or a callback, must not wait for the thread it runs in.
+_current = threading.local()
+
+
+def mark_thread(consumer: Coordinator) -> None:
+    _current.consumer = consumer
+
 
 def default_member_name() -> str:
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())[:60]
@@ -115,6 +123,7 @@ class Coordinator:
         self._coordinator_stop = threading.Event()
         self._wake = threading.Event()
         self._closed = False
+        self._close_done = threading.Event()  # close() finished (in whichever thread)
         self._poll_cursor = 0
         self._last_handled = time.monotonic()
         # run(max_messages=N): how many more messages may start (None: no limit)
@@ -176,6 +185,7 @@ class Coordinator:
 
     def _coordinate(self) -> None:
         """Heartbeats, metadata, assignment, lease acquire/renew/hand-over; until close()."""
+        mark_thread(self)
         self._scheduler.start()
         while not self._coordinator_stop.is_set():
             try:
@@ -415,6 +425,10 @@ class Coordinator:
     def _maybe_start(self, tp: TopicPartition) -> None:
         if self._use == "run":
             self._start_worker(tp)
+
+    def _own_thread(self) -> bool:
+        """Is the caller a thread of this consumer's (a handler's, a callback's)?"""
+        return getattr(_current, "consumer", None) is self
 
     def handler_for_workers(self) -> Callable[[Message], Any]:
         assert self._handler is not None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from redisq.chunks import admitted_chunks, lanes, lanes_end
+from redisq.coordinator import mark_thread
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import InvalidName, LeaseLost, log_text
 from redisq.ownership import TopicPartition
@@ -66,6 +67,7 @@ class Worker(threading.Thread):
         self._own_pending = False
 
     def run(self) -> None:
+        mark_thread(self.consumer)
         try:
             if self.reader is not None:
                 self._orderly(self.reader)
@@ -303,7 +305,10 @@ class Worker(threading.Thread):
         handled (a lane that stops leaves it where it was: handled again, at-least-once)."""
         if self._lanes is None:
             self._lanes = ThreadPoolExecutor(
-                self.settings.key_concurrency, thread_name_prefix="redisq-lane"
+                self.settings.key_concurrency,
+                thread_name_prefix="redisq-lane",
+                initializer=mark_thread,
+                initargs=(self.consumer,),
             )
 
         def run_lane(lane: list[Message]) -> None:

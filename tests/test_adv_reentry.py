@@ -161,3 +161,145 @@ def test_seek_position_in_on_assign(broker: redisq.Broker) -> None:
     assert not runner.is_alive()
     assert not errors, errors
     assert handled == [b"after"], handled
+
+
+def test_close_inside_handler(broker: redisq.Broker) -> None:
+    """A handler that decides to stop calls consumer.close(): run() returns, the message it
+    handled is committed (a new member of the group does not get it again)."""
+    fill(broker, "t", 20, partitions=1)
+    consumer = broker.consumer("t", group="g", start="earliest")
+    handled: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def handler(message: Any) -> None:
+        handled.append(message.value)
+        if len(handled) == 5:
+            try:
+                consumer.close()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+    bounded(lambda: consumer.run(handler, timeout=20), 30, "run() with close() in the handler")
+    assert not errors, errors
+    assert consumer.closed
+    again: list[bytes] = []
+    with broker.consumer("t", group="g") as second:
+        bounded(lambda: second.run(lambda m: again.append(m.value), idle_timeout=2), 30, "run 2")
+    assert handled[:5] == [f"{i}".encode() for i in range(5)]
+    assert not set(again) & set(handled[:5]), f"handled again: {set(again) & set(handled[:5])}"
+    assert len(handled) + len(again) >= 20
+
+
+def test_close_inside_on_revoke_and_on_assign(broker: redisq.Broker) -> None:
+    """close() from a rebalance callback (Kafka: close() from a callback is refused or
+    immediate, never a hang): the consumer ends up closed and its thread stopped."""
+    fill(broker, "t", 5, partitions=1)
+    box: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def on_assign(tps: Any) -> None:
+        try:
+            box["c"].close()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    consumer = broker.consumer("t", group="g", start="earliest", on_assign=on_assign)
+    box["c"] = consumer
+    bounded(lambda: consumer.run(lambda m: None, timeout=10), 30, "run() with close() in on_assign")
+    assert consumer.closed
+    deadline = time.monotonic() + 10
+    while consumer._coordinator.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not consumer._coordinator.is_alive(), "coordinator thread still running"
+    assert not errors, errors
+
+
+def test_commit_and_position_inside_on_revoke(broker: redisq.Broker) -> None:
+    """on_revoke calls commit() and position() (Kafka users commit in onPartitionsRevoked)."""
+    fill(broker, "t", 10, partitions=1)
+    box: dict[str, Any] = {}
+    errors: list[BaseException] = []
+    revoked: list[Any] = []
+
+    def on_revoke(tps: Any) -> None:
+        try:
+            box["c"].commit()
+            revoked.append([box["c"].position(p) for _, p in tps])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    consumer = broker.consumer("t", group="g", start="earliest", on_revoke=on_revoke)
+    box["c"] = consumer
+    handled: list[bytes] = []
+    bounded(
+        lambda: consumer.run(lambda m: handled.append(m.value), max_messages=10),
+        30,
+        "run() with commit() in on_revoke",
+    )
+    assert not errors, errors
+    assert revoked
+    assert len(handled) == 10
+
+
+def test_poll_from_two_threads(broker: redisq.Broker) -> None:
+    """poll() from two threads at once (Kafka refuses this: ConcurrentModificationException):
+    never the same message given twice without an ack in between, nothing lost."""
+    fill(broker, "t", 300, partitions=2)
+    consumer = broker.consumer("t", group="g", start="earliest")
+    got: list[bytes] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 15
+
+    def poller() -> None:
+        try:
+            while time.monotonic() < stop:
+                with lock:
+                    if len(set(got)) >= 300:
+                        return
+                messages = consumer.poll(timeout=0.2, max_messages=7)
+                with lock:
+                    got.extend(m.value for m in messages)
+                consumer.ack(messages)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poller, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    bounded(lambda: consumer.close(), 30, "close")
+    assert not errors, errors
+    assert len(set(got)) == 300
+    assert len(got) == 300, f"{len(got) - len(set(got))} given twice"
+
+
+def test_ack_same_messages_from_two_threads(broker: redisq.Broker) -> None:
+    """ack() of the same messages from two threads at once: counted once, committed once."""
+    fill(broker, "t", 200, partitions=1)
+    consumer = broker.consumer("t", group="g", start="earliest")
+    try:
+        total = 0
+        while total < 200:
+            messages = bounded(lambda: consumer.poll(timeout=2, max_messages=50), 10, "poll")
+            assert messages
+            counts: list[int] = []
+            barrier = threading.Barrier(2)
+
+            def acker() -> None:
+                barrier.wait()
+                counts.append(consumer.ack(messages))  # noqa: B023
+
+            ts = [threading.Thread(target=acker, daemon=True) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(10)
+            assert sorted(counts) == [0, len(messages)] or sum(counts) == len(messages), counts
+            total += len(messages)
+        bounded(consumer.commit, 10, "commit")
+        assert consumer.committed(0) == list(broker.read("t", 0))[-1].offset
+    finally:
+        bounded(consumer.close, 30, "close")
