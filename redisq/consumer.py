@@ -154,7 +154,10 @@ class Consumer(Coordinator):
             raise InvalidConfig("timeout is NaN")
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
-            messages = self._poll_once(max_messages)
+            # One read at a time: two threads polling at once both saw nothing outstanding on
+            # a partition and read it from the same position (each message given twice).
+            with self._poll_lock:
+                messages = self._poll_once(max_messages)
             remaining = deadline - time.monotonic()
             if messages or remaining <= 0 or self._stopping.is_set():
                 return messages

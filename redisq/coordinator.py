@@ -125,6 +125,7 @@ class Coordinator:
         self._closed = False
         self._close_done = threading.Event()  # close() finished (in whichever thread)
         self._poll_cursor = 0
+        self._poll_lock = threading.Lock()
         self._last_handled = time.monotonic()
         # run(max_messages=N): how many more messages may start (None: no limit)
         self._budget: int | None = None
