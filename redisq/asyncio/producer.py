@@ -101,6 +101,7 @@ class Producer:
             raise InvalidConfig("transactional=True needs a name: instances of a name fence")
         self._transactions = Transactions(self) if settings.transactions else None
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
+        self._loading: dict[str, asyncio.Future[TopicConfig]] = {}  # reads under way
         self._refreshing: set[str] = set()
         self._deferred: deque[_Send] = deque()
         self._drainer: asyncio.Task[None] | None = None
@@ -190,6 +191,24 @@ class Producer:
         now = time.monotonic()
         if cached is not None and now - cached[0] < self._metadata_max_age_s:
             return cached[1]
+        # One read per topic at a time, shared by every send waiting for it: 300 gathered
+        # first sends made 300 reads at once (past the connection pool's limit). Shielded: a
+        # cancelled send does not cancel the others' read.
+        loading = self._loading.get(topic)
+        if loading is None:
+            loading = asyncio.ensure_future(self._read_topic_config(topic))
+            self._loading[topic] = loading
+
+            def done(task: asyncio.Future[TopicConfig]) -> None:
+                if self._loading.get(topic) is task:
+                    del self._loading[topic]
+                if not task.cancelled():
+                    task.exception()  # retrieved: every waiter may have been cancelled
+
+            loading.add_done_callback(done)
+        return await asyncio.shield(loading)
+
+    async def _read_topic_config(self, topic: str) -> TopicConfig:
         await self.start()
         assert self.identity is not None
         try:
