@@ -58,7 +58,10 @@ class Backoff:
         self.max_s = max_ms / 1000
 
     def delay(self, attempt: int) -> float:
-        delay = min(self.max_s, self.base_s * (2 ** (max(1, attempt) - 1)))
+        # The exponent is capped: 2**64 times any base is past any maximum, and 2**1024 no
+        # longer converts to a float (a blocked message retried that often crashed its worker).
+        exponent = min(max(1, attempt) - 1, 64)
+        delay = min(self.max_s, self.base_s * (2**exponent))
         return delay / 2 + random.uniform(0, delay / 2)
 
 

@@ -758,3 +758,14 @@ def test_pack_commands_refuses_what_redis_py_refuses(bad: object) -> None:
         pack_commands([("SET", "k", bad)])
     with pytest.raises(redis.DataError):
         redis.Connection().pack_commands([("SET", "k", bad)])
+
+
+def test_backoff_after_many_attempts_stays_at_its_maximum() -> None:
+    """failure_policy="block" retries for ever: the 1,025th attempt's delay was 2**1024 times
+    the base, an OverflowError that killed the partition's worker (seen in CI)."""
+    from redisq.policies import Backoff
+
+    backoff = Backoff(base_ms=1, max_ms=10)
+    for attempt in (1, 2, 64, 65, 1025, 10**6):
+        assert 0.0 <= backoff.delay(attempt) <= 0.010
+    assert backoff.delay(10**6) >= 0.005  # equal jitter: at least half the maximum
