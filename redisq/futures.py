@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import numbers
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -119,3 +120,44 @@ class SendFuture:
                 waiter.callbacks.append((self._index, callback))
                 return
         callback(self)
+
+
+class CallbackQueue:
+    """The callbacks of finished batches, run after the producer's lock is released: finished()
+    (the core's hook, lock held) wakes the batch's waiters and queues its callbacks; run() runs
+    them in the order the batches finished, one thread at a time (a callback may send again,
+    which takes the lock); pending() tells flush() whether some are still to run."""
+
+    def __init__(self, ran: Callable[[], None]) -> None:
+        self._queue: deque[tuple[FutureBatch, list[Any]]] = deque()
+        self._running = threading.Lock()
+        self._thread: int | None = None
+        self._ran = ran  # called (no lock held) after run() ran some
+
+    def finished(self, batch: FutureBatch) -> None:
+        callbacks = mark_finished(batch)
+        if callbacks:
+            self._queue.append((batch, callbacks))
+
+    def run(self) -> None:
+        ran = False
+        while self._queue:
+            if not self._running.acquire(blocking=False):
+                return  # another thread runs them (it runs these too)
+            try:
+                self._thread = threading.get_ident()
+                while self._queue:
+                    run_callbacks(*self._queue.popleft())
+                    ran = True
+            finally:
+                self._thread = None
+                self._running.release()
+        if ran:
+            self._ran()
+
+    def pending(self) -> bool:
+        """Callbacks not run yet, other than the caller's own (a callback that flushes must
+        not wait for itself)."""
+        if self._thread == threading.get_ident():
+            return False
+        return bool(self._queue) or self._running.locked()

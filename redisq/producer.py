@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, TypeVar, Unpack, cast
 
 import redis
 
@@ -33,7 +33,7 @@ from redisq.errors import (
     ProducerFenced,
     RedisqError,
 )
-from redisq.futures import SendFuture, Waiter, check_timeout, mark_finished, run_callbacks
+from redisq.futures import CallbackQueue, SendFuture, Waiter, check_timeout
 from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
@@ -90,6 +90,9 @@ class Producer:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._max_buffered = settings.max_buffered_messages
+        # Callbacks of finished batches, run by the sender thread with no lock held (the core
+        # finishes batches under self._lock: a callback that sends again would deadlock there).
+        self._callbacks = CallbackQueue(self._callbacks_ran)
         self._core = ProducerCore(
             CoreSettings(
                 mode=settings.idempotence,
@@ -99,14 +102,9 @@ class Producer:
                 linger_s=settings.linger_ms / 1000,
                 delivery_timeout_s=settings.delivery_timeout_ms / 1000,
             ),
-            on_finished=self._batch_finished,
+            on_finished=self._callbacks.finished,
             on_sealed=self._encoder.batch_sealed,
         )
-        # Callbacks of finished batches, run by the sender thread with no lock held (the core
-        # finishes batches under self._lock: a callback that sends again would deadlock there).
-        self._callbacks: deque[tuple[Batch, list[Any]]] = deque()
-        self._callbacks_running = threading.Lock()
-        self._callbacks_thread: int | None = None
         self._topics: dict[str, tuple[float, TopicConfig]] = {}
         self._refreshing: set[str] = set()
         self._closed = False
@@ -402,7 +400,7 @@ class Producer:
             core.flush_requested = True
             self._cond.notify_all()
             try:
-                while (core.buffered > 0 or self._callbacks_pending()) and self._sender.is_alive():
+                while (core.buffered > 0 or self._callbacks.pending()) and self._sender.is_alive():
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"flush: {core.buffered} messages still unacknowledged")
@@ -427,43 +425,14 @@ class Producer:
                 self._cond.notify_all()
             self._sender.join(timeout=5)
             if not self._sender.is_alive():
-                self._run_callbacks()
+                self._callbacks.run()
             self._delayed.close(timeout)
             self._closed = True
 
     # -- the sender thread ---------------------------------------------------------------------
-    def _batch_finished(self, batch: Batch) -> None:
-        """(self._lock held.) Wake the batch's waiters now; its callbacks run later, outside
-        the lock (_run_callbacks)."""
-        callbacks = mark_finished(batch)
-        if callbacks:
-            self._callbacks.append((batch, callbacks))
-
-    def _run_callbacks(self) -> None:
-        """Run the callbacks of finished batches, in the order the batches finished, one thread
-        at a time, with no lock of the producer held."""
-        ran = False
-        while self._callbacks:
-            if not self._callbacks_running.acquire(blocking=False):
-                return  # another thread runs them (it runs these too)
-            try:
-                self._callbacks_thread = threading.get_ident()
-                while self._callbacks:
-                    run_callbacks(*self._callbacks.popleft())
-                    ran = True
-            finally:
-                self._callbacks_thread = None
-                self._callbacks_running.release()
-        if ran:
-            with self._cond:
-                self._cond.notify_all()  # flush() waits for the callbacks too
-
-    def _callbacks_pending(self) -> bool:
-        """(For flush.) Callbacks of finished batches not run yet, other than the caller's own
-        (a callback that flushes must not wait for itself)."""
-        if self._callbacks_thread == threading.get_ident():
-            return False
-        return bool(self._callbacks) or self._callbacks_running.locked()
+    def _callbacks_ran(self) -> None:
+        with self._cond:
+            self._cond.notify_all()  # flush() waits for the callbacks too
 
     def _run(self) -> None:
         core = self._core
@@ -475,7 +444,7 @@ class Producer:
         backoff = settings.retry_backoff_ms / 1000
         try:
             while True:
-                self._run_callbacks()
+                self._callbacks.run()
                 if core.fatal is not None:
                     return  # fenced: every batch has failed with the error
                 if not outstanding and (core.needs_new_identity or core.fences_needed):
@@ -516,7 +485,7 @@ class Producer:
                         # the handler below puts its batches back.
                         progress, retry = self._collect(transport, outstanding[0], deadline)
                         outstanding.popleft()
-                        self._run_callbacks()
+                        self._callbacks.run()
                         if retry and not progress:
                             time.sleep(backoff * (0.5 + random.random()))
                             backoff = min(backoff * 2, 1.0)
@@ -549,7 +518,7 @@ class Producer:
                         self._cond.notify_all()
         finally:
             transport.close()
-            self._run_callbacks()
+            self._callbacks.run()
 
     def _reload_scripts(self) -> None:
         """NOSCRIPT (a restarted or flushed server): load the produce scripts again."""

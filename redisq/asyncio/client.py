@@ -8,7 +8,7 @@ automatic retries off (redisq retries itself, with the recovery each call needs)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -224,3 +224,23 @@ async def wait_acknowledged(future: asyncio.Future[T], timeout: float | None) ->
         if future.done():  # it came as the wait ended
             return future.result()
         raise TimeoutError(f"no acknowledgement within {timeout} s") from None
+
+
+async def single_flight(
+    running: dict[Any, asyncio.Future[T]], key: Any, start: Callable[[], Awaitable[T]]
+) -> T:
+    """start()'s result, with one call per key under way at a time (in `running`), shared by
+    every caller that asks meanwhile. Shielded: a cancelled caller does not cancel the others'
+    call."""
+    call = running.get(key)
+    if call is None:
+        call = running[key] = asyncio.ensure_future(start())
+
+        def done(task: asyncio.Future[T]) -> None:
+            if running.get(key) is task:
+                del running[key]
+            if not task.cancelled():
+                task.exception()  # retrieved: every caller may have been cancelled
+
+        call.add_done_callback(done)
+    return await asyncio.shield(call)

@@ -28,7 +28,7 @@ import redis
 from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
-from redisq.asyncio.client import stop_task, wait_acknowledged
+from redisq.asyncio.client import single_flight, stop_task, wait_acknowledged
 from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
@@ -179,11 +179,8 @@ class Producer:
             raise self._core.fatal
 
     async def _check_acks_supported(self) -> None:
-        await self.broker.run(
-            identity_ops.check_acks(
-                self.acks, cluster=self.broker.is_cluster, server=self.broker.server
-            )
-        )
+        cluster, server = self.broker.is_cluster, self.broker.server
+        await self.broker.run(identity_ops.check_acks(self.acks, cluster=cluster, server=server))
 
     # -- topic metadata --------------------------------------------------------------------------
     async def _topic_config(self, topic: str) -> TopicConfig:
@@ -192,33 +189,16 @@ class Producer:
         if cached is not None and now - cached[0] < self._metadata_max_age_s:
             return cached[1]
         # One read per topic at a time, shared by every send waiting for it: 300 gathered
-        # first sends made 300 reads at once (past the connection pool's limit). Shielded: a
-        # cancelled send does not cancel the others' read.
-        loading = self._loading.get(topic)
-        if loading is None:
-            loading = asyncio.ensure_future(self._read_topic_config(topic))
-            self._loading[topic] = loading
-
-            def done(task: asyncio.Future[TopicConfig]) -> None:
-                if self._loading.get(topic) is task:
-                    del self._loading[topic]
-                if not task.cancelled():
-                    task.exception()  # retrieved: every waiter may have been cancelled
-
-            loading.add_done_callback(done)
-        return await asyncio.shield(loading)
+        # first sends made 300 reads at once (past the connection pool's limit).
+        return await single_flight(self._loading, topic, lambda: self._read_topic_config(topic))
 
     async def _read_topic_config(self, topic: str) -> TopicConfig:
         await self.start()
         assert self.identity is not None
         try:
+            register = self.name is not None and self.idempotence is not None
             config: TopicConfig = await self.broker.run(
-                identity_ops.topic_metadata(
-                    self._keys,
-                    self.identity,
-                    topic,
-                    register=self.name is not None and self.idempotence is not None,
-                )
+                identity_ops.topic_metadata(self._keys, self.identity, topic, register=register)
             )
         except ProducerFenced as exc:
             self._core.fail_all(exc, fatal=True)
