@@ -411,10 +411,7 @@ class Coordinator:
                     reader.commit_failed(commit, time.monotonic())
                 raise
             with self._lock:
-                if applied:
-                    reader.committed(commit)
-                else:
-                    reader.commit_superseded(commit, time.monotonic())
+                reader.commit_answered(commit, applied, time.monotonic())
         self.stats.commits += applied
         return True
 

@@ -458,6 +458,13 @@ class OrderlyPartition:
         commit.seq = self.commits  # numbered anew when a failed one is sent again
         return commit
 
+    def commit_answered(self, commit: Commit, applied: bool, now: float) -> None:
+        """Redis answered the commit: applied (committed) or not (commit_superseded)."""
+        if applied:
+            self.committed(commit)
+        else:
+            self.commit_superseded(commit, now)
+
     def committed(self, commit: Commit) -> None:
         if commit.position:
             self.committed_position(commit.position, commit.entries_read)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import redisq
-from tests.conftest import drop_namespace
+from tests.conftest import broker_in
 from tests.test_adv_console import dead_lettered
 
 REDISQ = [sys.executable, "-m", "redisq.cli"]
@@ -31,10 +31,8 @@ def _own_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def broker(redis_url: str, namespace: str) -> Iterator[redisq.Broker]:
-    broker = redisq.connect(redis_url, namespace=f"advcli{namespace}")
-    yield broker
-    drop_namespace(broker)
-    broker.close()
+    with broker_in(redis_url, f"advcli{namespace}") as broker:
+        yield broker
 
 
 @pytest.fixture

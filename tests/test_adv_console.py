@@ -20,16 +20,14 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 import redisq  # noqa: E402
-from tests.conftest import drop_namespace  # noqa: E402
+from tests.conftest import broker_in  # noqa: E402
 from tests.test_console import Client, cells, running_console  # noqa: E402
 
 
 @pytest.fixture
 def shared_broker(redis_url: str, namespace: str) -> Iterator[redisq.Broker]:
-    broker = redisq.connect(redis_url, namespace=f"adv{namespace}")
-    yield broker
-    drop_namespace(broker)
-    broker.close()
+    with broker_in(redis_url, f"adv{namespace}") as broker:
+        yield broker
 
 
 def notice(client: Client, location: str) -> tuple[int, str, str]:

@@ -31,10 +31,11 @@ def send(broker: redisq.Broker, *values: bytes, key: str = "k") -> list[str]:
 FAST = {"retry_backoff_ms": 10, "max_retry_backoff_ms": 20}
 
 
-# -- a message blocked by failure_policy="block", sought past in run() --------------------------
-def test_seek_past_a_blocked_message_in_run(broker: redisq.Broker) -> None:
-    """README: block "retries forever ... until it is handled, deleted, or sought past", and a
-    seek from another thread takes effect after at most the messages being handled."""
+# -- a message blocked by failure_policy="block", sought past or deleted in run() ---------------
+def poison_then(broker: redisq.Broker, act: Any, after: str) -> None:
+    """poison, m1, m2 on t/0, handled by run() under failure_policy="block" (the poison never
+    works); once the poison was retried 5 times, act(consumer, offsets) from this thread: m1
+    and m2 are then handled, in order, once."""
     broker.create_topic("t", partitions=1)
     offsets = send(broker, b"poison", b"m1", b"m2")
     seen: list[bytes] = []
@@ -51,47 +52,20 @@ def test_seek_past_a_blocked_message_in_run(broker: redisq.Broker) -> None:
     thread.start()
     try:
         wait_until(lambda: calls[0] >= 5, what="the poison retried")
-        consumer.seek(0, offsets[1])
+        act(consumer, offsets)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and seen != [b"m1", b"m2"]:
             time.sleep(0.05)
-        assert seen == [b"m1", b"m2"], f"after the seek past it: {seen}, {calls[0]} calls"
+        assert seen == [b"m1", b"m2"], f"{after}: {seen}, {calls[0]} calls"
     finally:
         consumer.close(timeout=5)
         thread.join(10)
 
 
-def test_deleting_a_blocked_message_in_run_unblocks(broker: redisq.Broker) -> None:
-    broker.create_topic("t", partitions=1)
-    offsets = send(broker, b"poison", b"m1", b"m2")
-    seen: list[bytes] = []
-    calls = [0]
-
-    def handler(message: Message) -> None:
-        calls[0] += 1
-        if message.value == b"poison":
-            raise RuntimeError("never works")
-        seen.append(message.value)
-
-    consumer = broker.consumer("t", "g", failure_policy="block", max_attempts=1, **FAST)
-    thread = threading.Thread(target=consumer.run, args=(handler,), daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: calls[0] >= 5, what="the poison retried")
-        assert broker.client.xdel(broker.keys.log("t", 0), offsets[0]) == 1
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and seen != [b"m1", b"m2"]:
-            time.sleep(0.05)
-        assert seen == [b"m1", b"m2"], f"after deleting it: {seen}, {calls[0]} calls"
-    finally:
-        consumer.close(timeout=5)
-        thread.join(10)
-
-
-@aio
-async def test_asyncio_seek_past_a_blocked_message_in_run(
-    broker: redisq.Broker, server_url: str, namespace: str
+async def asyncio_poison_then(
+    broker: redisq.Broker, server_url: str, namespace: str, act: Any, after: str
 ) -> None:
+    """poison_then through the asyncio API (act runs on the event loop)."""
     broker.create_topic("t", partitions=1)
     offsets = send(broker, b"poison", b"m1", b"m2")
     seen: list[bytes] = []
@@ -108,15 +82,50 @@ async def test_asyncio_seek_past_a_blocked_message_in_run(
     task = await start_running(consumer, handler)
     try:
         await async_wait_until(lambda: calls[0] >= 5, what="the poison retried")
-        consumer.seek(0, offsets[1])
+        act(consumer, offsets)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and seen != [b"m1", b"m2"]:
             await asyncio.sleep(0.05)
-        assert seen == [b"m1", b"m2"], f"after the seek past it: {seen}, {calls[0]} calls"
+        assert seen == [b"m1", b"m2"], f"{after}: {seen}, {calls[0]} calls"
     finally:
         await consumer.close()
         await asyncio.wait_for(task, 30)
         await abroker.close()
+
+
+def seek_past(consumer: Any, offsets: list[str]) -> None:
+    consumer.seek(0, offsets[1])
+
+
+def deleter(broker: redisq.Broker) -> Any:
+    def delete(consumer: Any, offsets: list[str]) -> None:
+        assert broker.client.xdel(broker.keys.log("t", 0), offsets[0]) == 1
+
+    return delete
+
+
+def test_seek_past_a_blocked_message_in_run(broker: redisq.Broker) -> None:
+    """README: block "retries forever ... until it is handled, deleted, or sought past", and a
+    seek from another thread takes effect after at most the messages being handled."""
+    poison_then(broker, seek_past, "after the seek past it")
+
+
+def test_deleting_a_blocked_message_in_run_unblocks(broker: redisq.Broker) -> None:
+    poison_then(broker, deleter(broker), "after deleting it")
+
+
+@aio
+async def test_asyncio_seek_past_a_blocked_message_in_run(
+    broker: redisq.Broker, server_url: str, namespace: str
+) -> None:
+    await asyncio_poison_then(broker, server_url, namespace, seek_past, "after the seek past it")
+
+
+@aio
+async def test_asyncio_deleting_a_blocked_message_in_run_unblocks(
+    broker: redisq.Broker, server_url: str, namespace: str
+) -> None:
+    await asyncio_poison_then(broker, server_url, namespace, deleter(broker), "after deleting it")
 
 
 # -- close(timeout) while a handler is still running -----------------------------------------------
@@ -165,37 +174,6 @@ def test_close_with_timeout_does_not_hand_over_a_partition_still_being_handled(
         release.set()
         ta.join(10)
         tb.join(20)
-
-
-@aio
-async def test_asyncio_deleting_a_blocked_message_in_run_unblocks(
-    broker: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    broker.create_topic("t", partitions=1)
-    offsets = send(broker, b"poison", b"m1", b"m2")
-    seen: list[bytes] = []
-    calls = [0]
-
-    async def handler(message: Message) -> None:
-        calls[0] += 1
-        if message.value == b"poison":
-            raise RuntimeError("never works")
-        seen.append(message.value)
-
-    abroker = await rq.connect(server_url, namespace=namespace)
-    consumer = abroker.consumer("t", "g", failure_policy="block", max_attempts=1, **FAST)
-    task = await start_running(consumer, handler)
-    try:
-        await async_wait_until(lambda: calls[0] >= 5, what="the poison retried")
-        assert broker.client.xdel(broker.keys.log("t", 0), offsets[0]) == 1
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and seen != [b"m1", b"m2"]:
-            await asyncio.sleep(0.05)
-        assert seen == [b"m1", b"m2"], f"after deleting it: {seen}, {calls[0]} calls"
-    finally:
-        await consumer.close()
-        await asyncio.wait_for(task, 30)
-        await abroker.close()
 
 
 def test_seek_during_retries_with_key_lanes(broker: redisq.Broker) -> None:

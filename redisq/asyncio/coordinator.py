@@ -392,10 +392,7 @@ class Coordinator:
             except (redis.RedisError, asyncio.CancelledError):  # a cancel: close() commits again
                 reader.commit_failed(commit, time.monotonic())
                 raise
-            if applied:
-                reader.committed(commit)
-            else:
-                reader.commit_superseded(commit, time.monotonic())
+            reader.commit_answered(commit, applied, time.monotonic())
         self.stats.commits += applied
         return True
 
