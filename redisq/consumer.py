@@ -123,8 +123,10 @@ class Consumer(Coordinator):
         handled_before = self.stats.handled
         self._last_handled = started
         with self._lock:
-            for tp in list(self.ownership.owned):
-                self._start_worker(tp)
+            for tp, owned in list(self.ownership.owned.items()):
+                if owned.announced:
+                    self._start_worker(tp)
+        self._announce()
         self._wake.set()
         try:
             while not self._stopping.is_set():
@@ -153,6 +155,7 @@ class Consumer(Coordinator):
         if timeout != timeout:  # NaN: no deadline would ever pass
             raise InvalidConfig("timeout is NaN")
         deadline = time.monotonic() + max(timeout, 0.0)
+        self._announce()
         while True:
             # One read at a time: two threads polling at once both saw nothing outstanding on
             # a partition and read it from the same position (each message given twice).
@@ -372,7 +375,7 @@ class Consumer(Coordinator):
 
     def _poll_once(self, max_messages: int) -> list[Message]:
         with self._lock:
-            tps = sorted(tp for tp, o in self.ownership.owned.items() if not o.paused)
+            tps = self.ownership.readable()
         if not tps:
             return []
         self._poll_cursor = (self._poll_cursor + 1) % len(tps)

@@ -126,6 +126,7 @@ class Coordinator:
         self._close_done = threading.Event()  # close() finished (in whichever thread)
         self._poll_cursor = 0
         self._poll_lock = threading.Lock()
+        self._announce_lock = threading.Lock()  # on_assign once per grant
         self._last_handled = time.monotonic()
         # run(max_messages=N): how many more messages may start (None: no limit)
         self._budget: int | None = None
@@ -287,9 +288,24 @@ class Coordinator:
             self._readers[tp] = reader
             self.stats.leases_acquired += 1
         log.info("%s: acquired %s/%d (token %d)", self.name, tp[0], tp[1], grant.lease.token)
-        self._callback("on_assign", [tp])
-        with self._lock:
-            self._maybe_start(tp)
+        self._announce()
+
+    def _announce(self) -> None:
+        """on_assign for the partitions granted and not yet told, once run() or poll() has
+        been called (as Kafka calls it from poll(): before that, the consumer may not even be
+        bound to its name yet); nothing of a partition is read before on_assign returns."""
+        with self._announce_lock:
+            with self._lock:
+                tps = self.ownership.to_announce() if self._use is not None else []
+            if not tps:
+                return
+            self._callback("on_assign", tps)
+            with self._lock:
+                for tp in tps:
+                    owned = self.ownership.owned.get(tp)
+                    if owned is not None and not owned.finished:
+                        owned.announced = True
+                        self._maybe_start(tp)
 
     def _renew(self, tp: TopicPartition) -> None:
         with self._lock:
@@ -351,7 +367,8 @@ class Coordinator:
                     self._commit(tp)
                 except LeaseLost:
                     log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
-                self._callback("on_revoke", [tp])
+                if owned.announced:
+                    self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
                 if self._memberships[tp[0]].release_lease(owned.lease, untried):
                     log.info("%s: released %s/%d", self.name, tp[0], tp[1])

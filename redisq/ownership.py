@@ -76,6 +76,8 @@ class Owned:
     finishing: bool = False  # the driver is handing it over (commit, release) right now
     finished: bool = False  # handed over (or given up): the driver forgets it
     paused: bool = False  # pause(): the lease is kept, nothing is read
+    # on_assign has been told (orderly; from run()/poll() on): nothing is read before it is
+    announced: bool = True
 
     @property
     def lease_value(self) -> str:
@@ -233,8 +235,21 @@ class OwnershipCore:
         lease = grant.lease if grant else None
         owned = Owned(tp, lease, sent_at + self.lease_ttl_s if lease else float("inf"))
         owned.renew_due = sent_at + self.renew_s
+        owned.announced = lease is None
         self.owned[tp] = owned
         return owned
+
+    def readable(self) -> list[TopicPartition]:
+        """What poll() reads: held, told to on_assign, not paused."""
+        return sorted(tp for tp, o in self.owned.items() if o.announced and not o.paused)
+
+    def to_announce(self) -> list[TopicPartition]:
+        """Partitions granted whose on_assign is still to come (and still held)."""
+        return sorted(
+            tp
+            for tp, o in self.owned.items()
+            if not (o.announced or o.lost or o.revoked or o.finishing or o.finished)
+        )
 
     def renewed(self, tp: TopicPartition, sent_at: float) -> None:
         owned = self.owned.get(tp)

@@ -173,7 +173,7 @@ class ConsumerOptions(TypedDict, total=False):
     block_ms: int  # how long an idle partition waits for new entries per round
     ack_interval_ms: int  # handled messages are committed at least this often
     metadata_max_age_ms: int  # added partitions (and pattern topics) are read within this
-    on_assign: Callable[[list[tuple[str, int]]], Any] | None  # before partitions are handled
+    on_assign: Callable[[list[tuple[str, int]]], Any] | None  # in run()/poll(), before a read
     on_revoke: Callable[[list[tuple[str, int]]], Any] | None  # after their last commit
     key_deserializer: Callable[[bytes], Any] | str | None  # "json", "str" or a callable
     value_deserializer: Callable[[bytes], Any] | str | None

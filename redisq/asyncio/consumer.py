@@ -106,8 +106,10 @@ class Consumer(Coordinator):
         started = time.monotonic()
         handled_before = self.stats.handled
         self._last_handled = started
-        for tp in list(self.ownership.owned):
-            self._start_worker(tp)
+        for tp, owned in list(self.ownership.owned.items()):
+            if owned.announced:
+                self._start_worker(tp)
+        await self._announce()
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
@@ -135,6 +137,7 @@ class Consumer(Coordinator):
         if timeout != timeout:  # NaN: no deadline would ever pass
             raise InvalidConfig("timeout is NaN")
         deadline = time.monotonic() + max(timeout, 0.0)
+        await self._announce()
         while True:
             messages = await self._poll_once(max_messages)
             remaining = deadline - time.monotonic()
@@ -282,7 +285,7 @@ class Consumer(Coordinator):
             raise InvalidConfig(f"this consumer already uses {self._use}(); it cannot {use}() too")
 
     async def _poll_once(self, max_messages: int) -> list[Message]:
-        tps = sorted(tp for tp, o in self.ownership.owned.items() if not o.paused)
+        tps = self.ownership.readable()
         if not tps:
             return []
         self._poll_cursor = (self._poll_cursor + 1) % len(tps)

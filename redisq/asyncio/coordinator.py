@@ -107,6 +107,7 @@ class Coordinator:
         # way (client.stop_task), so the loop also ends on this flag at its next tick.
         self._halted = False
         self._poll_cursor = 0
+        self._announce_lock = asyncio.Lock()  # on_assign once per grant
         self._last_handled = time.monotonic()
         # run(max_messages=N): how many more messages may start (None: no limit)
         self._budget: int | None = None
@@ -289,8 +290,20 @@ class Coordinator:
         self._readers[tp] = reader
         self.stats.leases_acquired += 1
         log.info("%s: acquired %s/%d (token %d)", self.name, tp[0], tp[1], grant.lease.token)
-        await self._callback("on_assign", [tp])
-        self._maybe_start(tp)
+        await self._announce()
+
+    async def _announce(self) -> None:
+        """See redisq.coordinator.Coordinator._announce."""
+        async with self._announce_lock:
+            tps = self.ownership.to_announce() if self._use is not None else []
+            if not tps:
+                return
+            await self._callback("on_assign", tps)
+            for tp in tps:
+                owned = self.ownership.owned.get(tp)
+                if owned is not None and not owned.finished:
+                    owned.announced = True
+                    self._maybe_start(tp)
 
     async def _renew(self, tp: TopicPartition) -> None:
         owned = self.ownership.owned.get(tp)
@@ -334,7 +347,8 @@ class Coordinator:
                     await self._commit(tp)
                 except LeaseLost:
                     log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
-                await self._callback("on_revoke", [tp])
+                if owned.announced:
+                    await self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
                 released = await self.broker.scripts.run(
                     calls.release_lease(self.broker.keys, owned.lease, untried)

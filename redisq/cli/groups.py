@@ -88,7 +88,7 @@ def describe(topic: str, group_name: str) -> int:
     say(
         f"group {d.group} on {d.topic}: mode={d.mode}, start={d.start}, policy={d.policy}, "
         f"{len(d.members)} members, lag {'?' if d.total_lag is None else d.total_lag}, "
-        f"{d.total_held} held, {d.total_malformed} malformed, dead letters: "
+        f"{d.total_held} held, {d.total_malformed} malformed, dead letters waiting: "
         f"{d.dead_letter_messages} in {d.dead_letter_topic or '-'}"
     )
     print_table(
@@ -126,7 +126,7 @@ def describe(topic: str, group_name: str) -> int:
             "lag",
             "pending",
             "position",
-            "dead letters",
+            "dead-lettered",
             "malformed",
             "parked keys",
             "held",
