@@ -12,9 +12,11 @@ REDIS_URL or from a redis-server on PATH), and a fresh namespace per test.
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +24,21 @@ import redis
 import redisq
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess, binary_for, redis_binary, start_cluster
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float = 60.0, what: str = "", interval: float = 0.05
+) -> Any:
+    """Poll until predicate() is truthy (returns it); fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
 
 BACKENDS = [
     "valkey",

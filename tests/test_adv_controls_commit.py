@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 import redisq
+from tests.conftest import wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-from tests.test_consumer import wait_until
 
 
 class Setup:

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 import redisq
-from tests.test_consumer import wait_until
+from tests.conftest import wait_until
 
 
 @pytest.fixture(params=["valkey", "redis"])

@@ -14,7 +14,7 @@ from redisq.deadletter import release_key
 from redisq.records import Message
 from tests.aio import aio, start_running
 from tests.aio import wait_until as async_wait_until
-from tests.test_consumer import wait_until
+from tests.conftest import wait_until
 
 
 @pytest.fixture(params=["valkey", "redis"])

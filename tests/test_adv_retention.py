@@ -12,10 +12,9 @@ import pytest
 
 import redisq
 from redisq.errors import ProducerFenced
-from tests.conftest import broker_in
+from tests.conftest import broker_in, wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-from tests.test_consumer import wait_until
 from tests.txhelp import values_of
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -32,7 +32,8 @@ from redisq.keys import unresolved_topic
 from redisq.protocol import run_operation
 from redisq.protocol import transactions as tx
 from redisq.transactions import TxState
-from tests.txhelp import DRIVERS, partitions_of, tx_state, wait_until
+from tests.conftest import wait_until
+from tests.txhelp import DRIVERS, partitions_of, tx_state
 
 LEASE_MS = 300  # the checker lease's time to live in these tests
 CHECK_S = 0.9  # how long each check() takes: longer than the lease

@@ -26,6 +26,7 @@ from redisq.partition import PartitionIO
 from redisq.policies import Backoff, make_policy
 from redisq.protocol.group import Commit
 from redisq.settings import ConsumerSettings
+from tests.conftest import wait_until
 from tests.crash import poll_then_crash
 
 FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
@@ -45,15 +46,6 @@ def server_url_of(broker: redisq.Broker) -> str:
         return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
     node = broker.client.get_default_node()
     return f"redis://{node.host}:{node.port}"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Recorder:

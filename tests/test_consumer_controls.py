@@ -23,9 +23,9 @@ import redisq.asyncio as rq
 from redisq.records import MAX_STREAM_ID_PART, Message, offset_after, offset_before
 from tests.aio import aio, start_running
 from tests.aio import wait_until as async_wait_until
+from tests.conftest import wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-from tests.test_consumer import wait_until
 
 
 @pytest.fixture(params=["valkey", "redis"])

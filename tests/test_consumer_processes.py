@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import redisq
+from tests.conftest import wait_until as conftest_wait_until
 from tests.consumer_worker import events_key
 
 pytestmark = [pytest.mark.fault, pytest.mark.consumer_processes]
@@ -111,12 +112,7 @@ def raw_events(broker: redisq.Broker, kind: str) -> list[list[str]]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    conftest_wait_until(predicate, timeout, what, interval=0.1)
 
 
 def all_handled(broker: redisq.Broker, keys: int, per_key: int) -> bool:

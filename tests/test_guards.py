@@ -25,21 +25,13 @@ from redisq.errors import LeaseLost
 from redisq.group import GroupMembership, Lease, parse_lease
 from redisq.protocol.group import Grant
 from redisq.records import decode_entries
+from tests.conftest import wait_until
 from tests.servers import ServerProcess, binary_for
 
 # The fenced-read tests: leases so long that member A's coordinator renews nothing and sees no
 # other member during a test (renewal after ttl / 3 = 200 s, next heartbeat after 300 s), so
 # only the read path itself can notice that the lease moved.
 LONG_LEASE = {"lease_ttl_ms": 600_000, "heartbeat_interval_ms": 300_000}
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def send(broker: redisq.Broker, topic: str, values: range) -> None:

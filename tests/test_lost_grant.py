@@ -29,9 +29,9 @@ from redisq.protocol import group as calls
 from redisq.records import Message
 from tests.aio import aio
 from tests.aio import wait_until as async_wait_until
+from tests.conftest import wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-from tests.test_consumer import wait_until
 
 VALUES = [f"m{i}".encode() for i in range(5)]
 TTL_MS = 30_000  # the default lease ttl: what the partition would wait without the fix

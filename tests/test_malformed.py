@@ -15,7 +15,6 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,6 +36,7 @@ from redisq.records import (
     offset_parts,
     parse_id_field,
 )
+from tests.conftest import wait_until
 
 try:  # the Spark test's fixtures; without pyspark that one test is skipped
     from tests.spark_conftest import reader, spark, spark_broker  # noqa: F401
@@ -99,15 +99,6 @@ class Recorder:
     def malformed(self) -> int:
         with self.lock:
             return sum(isinstance(m, MalformedMessage) for m in self.seen)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 EXPECTED = [0, 1, 2, 3, 4, "extra", 5, 6, 7, 8, 9]

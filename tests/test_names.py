@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 
 import fakeredis
 import pytest
@@ -33,18 +32,10 @@ from redisq.keys import (
     validate_topic,
 )
 from redisq.records import Message
+from tests.conftest import wait_until
 
 FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
 NAME = st.from_regex(r"[A-Za-z0-9._-]{1,200}", fullmatch=True)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def fail_all(message: Message) -> None:

@@ -17,7 +17,7 @@ import redisq
 import redisq.asyncio as rq
 from tests.aio import Env, aio
 from tests.aio import wait_until as async_wait_until
-from tests.test_consumer import wait_until
+from tests.conftest import wait_until
 
 COUNT = 10
 

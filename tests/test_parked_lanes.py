@@ -26,7 +26,8 @@ from redisq.protocol.group import Grant, Lease
 from redisq.records import Message, offset_parts
 from tests.aio import FAST, Env, aio
 from tests.aio import wait_until as async_wait_until
-from tests.test_consumer import run_in_thread, wait_until
+from tests.conftest import wait_until
+from tests.test_consumer import run_in_thread
 from tests.test_malformed import FOREIGN, xadd
 
 PARK = {"failure_policy": "park_key", "max_attempts": 1, **FAST}

@@ -22,7 +22,7 @@ from redisq.keys import dead_letter_topic
 from redisq.records import Message
 from tests.aio import Env, aio
 from tests.aio import wait_until as async_wait_until
-from tests.test_consumer import wait_until
+from tests.conftest import wait_until
 
 LEFT = 3  # members that are granted the partition and leave before reading it
 

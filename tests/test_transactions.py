@@ -26,6 +26,7 @@ import pytest
 
 import redisq
 from redisq.keys import unresolved_topic
+from tests.conftest import wait_until
 from tests.txhelp import (
     DRIVERS,
     committed_positions,
@@ -33,7 +34,6 @@ from tests.txhelp import (
     registry,
     tx_state,
     values_of,
-    wait_until,
 )
 
 FAST = {"check_interval_ms": 100}  # background duties every 50 ms (sweeper, check-back)

@@ -28,6 +28,7 @@ import redis
 import redisq
 from redisq.keys import unresolved_topic
 from redisq.scripts import Scripts
+from tests.conftest import wait_until
 from tests.servers import ServerProcess, binary_for
 from tests.txhelp import (
     Child,
@@ -42,7 +43,6 @@ from tests.txhelp import (
     source_of,
     tx_state,
     values_of,
-    wait_until,
 )
 
 pytestmark = pytest.mark.fault

@@ -21,10 +21,11 @@ import pytest
 
 import redisq
 from redisq.deadletter import release_key
+from tests.conftest import wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
 from tests.test_malformed import FOREIGN, xadd
-from tests.txhelp import DRIVERS, committed_positions, tx_state, values_of, wait_until
+from tests.txhelp import DRIVERS, committed_positions, tx_state, values_of
 
 CONSUMER = {"lease_ttl_ms": 1500, "ack_interval_ms": 50}
 

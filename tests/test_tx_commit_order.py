@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 import redisq
+from tests.conftest import wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
-from tests.test_consumer import wait_until
 from tests.txhelp import DRIVERS, values_of
 
 

@@ -69,18 +69,6 @@ def committed_positions(broker: redisq.Broker, topic: str, group: str) -> dict[i
     return positions
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll until predicate() is truthy (returns it); fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def assert_exactly_once(
     broker: redisq.Broker, expected: dict[tuple[str, int], list[bytes]], topics: Iterable[str]
 ) -> None:
