@@ -19,7 +19,9 @@ ARGV[11] "1" for a named producer, "0" for an anonymous one (see produce_sequenc
 ARGV[12...] the messages, #layout arguments each
 
 The ids live in the partition's dedup ring (includes/dedup.lua): remembered for at least one
-window and at most two, whatever the clocks of the producers that send it.
+window and at most two, whatever the clocks of the producers that send it. Retention by age is
+exact here and runs before the append (includes/append.lua, trim_expired): with a window no
+shorter than retention_ms, no message outlives its id, however long the partition stayed quiet.
 
 Batch numbers keep a producer's batches in order when several are in flight: a batch after a
 missing one is refused (OUT_OF_ORDER) and re-sent after it. A batch that was written before
@@ -84,6 +86,11 @@ end
 
 local ring = dedup_ring(KEYS[2], KEYS[3], tonumber(ARGV[3]))
 local current = ring.current
+-- Retention by age goes first and exactly: an id is forgotten only once it is older than its
+-- window (at least one window, by the server's clock, the clock of this trim), so with a window of
+-- at least retention_ms (the default window is retention_ms) every message whose id may be
+-- forgotten is gone before a resend of it could be appended.
+trim_expired(KEYS[1], ring.now_ms, tonumber(ARGV[5]))
 
 local producer_id = ARGV[1]
 local layout = ARGV[6]
@@ -180,6 +187,6 @@ if batch_no == expected then
 end
 if appended.count > 0 then
   dedup_seal(ring)
-  trim_retention(KEYS[1], appended.last, tonumber(ARGV[4]), tonumber(ARGV[5]))
+  trim_retention(KEYS[1], appended.last, tonumber(ARGV[4]), 0)
 end
 return result

@@ -464,9 +464,6 @@ def test_trim_racing_an_orderly_consumer_never_reorders_or_repeats(rbroker: redi
 # -- ids forgotten while the messages they protect are still in the partition --------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: ids expire by the clock, messages only when a write trims (~)"
-)
 def test_message_id_is_not_forgotten_while_its_message_is_still_retained(
     rbroker: redisq.Broker,
 ) -> None:

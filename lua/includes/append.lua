@@ -131,7 +131,8 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
 end
 
 -- Retention: by count (MAXLEN ~) and by age (MINID ~ now - retention). Approximate trimming only
--- drops whole stream nodes, which keeps it O(1) amortised per batch.
+-- drops whole stream nodes, which keeps it O(1) amortised per batch. produce_message_id.lua trims
+-- by age exactly instead (trim_expired, before it appends) and passes retention_ms 0 here.
 local function trim_retention(stream, last_id, maxlen, retention_ms)
   if maxlen > 0 then
     redis.call('XTRIM', stream, 'MAXLEN', '~', maxlen)
@@ -141,5 +142,16 @@ local function trim_retention(stream, last_id, maxlen, retention_ms)
     if ms > retention_ms then
       redis.call('XTRIM', stream, 'MINID', '~', string.format('%.0f', ms - retention_ms))
     end
+  end
+end
+
+-- trim_expired(stream, now_ms, retention_ms): drop every entry older than now - retention_ms,
+-- exactly (MINID without ~, so also the older part of a stream node). A message id's window runs
+-- by the clock; this keeps a message from outliving its id on a partition that nobody wrote to
+-- for a while. The work is what expired since the last write (each entry is trimmed once), plus
+-- a walk over the head node's entries already marked deleted (at most one node's worth).
+local function trim_expired(stream, now_ms, retention_ms)
+  if retention_ms > 0 and now_ms > retention_ms then
+    redis.call('XTRIM', stream, 'MINID', string.format('%.0f', now_ms - retention_ms))
   end
 end
