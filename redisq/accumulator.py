@@ -34,6 +34,7 @@ from redisq.errors import (
     DeliveryTimeout,
     InvalidConfig,
     OutOfOrderSequence,
+    PartitionGone,
     ProducerFenced,
     RedisqError,
     TopicNotFound,
@@ -376,10 +377,17 @@ class ProducerCore:
             return
         if isinstance(error, TopicNotFound | InvalidConfig):
             # Checked before any write (a topic deleted, or metadata out of range): nothing of
-            # this partition's tail was written, so its sequences can be handed out again.
+            # this partition's tail was written, so its sequences can be handed out again. (A
+            # batch after this one cannot be written either: its sequence would leave a gap.)
+            # Only a batch whose earlier reply was lost may have gone to the deleted topic.
             state = self.partitions[(batch.topic, batch.partition)]
+            gone = isinstance(error, TopicNotFound)
             for failed in list(state.unacked):
                 failed.error = error
+                if gone and not failed.unknown:
+                    failed.error = PartitionGone(
+                        failed.topic, failed.partition, failed.config.partitions
+                    )
                 self._retire(state, failed)
             state.next_seq = state.acked_next
             return

@@ -61,6 +61,23 @@ class TopicNotFound(RedisqError):
         self.topic = topic
 
 
+class PartitionGone(TopicNotFound):
+    """The partition a message was routed to no longer exists: the topic was deleted (and maybe
+    re-created with fewer partitions) after the producer read its metadata. Nothing of the
+    message was written. send() routes it once more with the metadata read again; a send_async
+    future fails with this error (re-routing queued messages could reorder a key's messages)."""
+
+    def __init__(self, topic: str, partition: int, partitions: int) -> None:
+        RedisqError.__init__(
+            self,
+            f"topic {topic!r} has no partition {partition} (routed with {partitions} partitions, "
+            "as read before): deleted, or re-created with fewer partitions; nothing of the "
+            "message was written, send it again",
+        )
+        self.topic = topic
+        self.partition = partition
+
+
 class TopicExists(RedisqError):
     def __init__(self, topic: str) -> None:
         super().__init__(f"topic {topic!r} already exists")

@@ -356,13 +356,18 @@ class Producer:
                 raise self._core.fatal or ProducerClosed("send after close()")
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
             return self._delayed.send(*args, timeout=timeout)
-        future = self.send_async(
-            topic, value, key, headers, message_id, partition, timestamp_ms=timestamp_ms
-        )
-        with self._cond:
-            self._core.seal_batch(cast(Batch, future._batch))
-            self._cond.notify_all()
-        return future.result(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for again in (False, True):  # once more after PartitionGone: routed by stale metadata
+            future = self.send_async(
+                topic, value, key, headers, message_id, partition, timestamp_ms=timestamp_ms
+            )
+            with self._cond:
+                self._core.seal_batch(cast(Batch, future._batch))
+                self._cond.notify_all()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if again or not isinstance(future.exception(left), errors.PartitionGone):
+                break
+        return future.result(left)
 
     def transaction(self) -> Transaction:
         """Begin a transaction (Kafka style; `transactional=True`): see redisq.Transaction."""

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 
 import pytest
 
 import redisq
-from redisq.errors import ProducerFenced
+import redisq.asyncio as rq
+from redisq.errors import PartitionGone, ProducerFenced
 from tests.conftest import broker_in, wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
@@ -311,10 +314,6 @@ def test_group_tools_after_positions_trimmed_and_topic_grown(rbroker: redisq.Bro
 
 
 @pytest.mark.parametrize("idempotence", ["sequence", "message_id"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the first send routed by the stale count gets TopicNotFound on a live topic",
-)
 def test_recreated_topic_with_fewer_partitions_and_a_cached_producer(
     rbroker: redisq.Broker, idempotence: str
 ) -> None:
@@ -350,6 +349,68 @@ def test_recreated_topic_with_fewer_partitions_and_a_cached_producer(
     assert not [r for r in results if r.duplicate], results
     assert not errors, errors
     assert sorted(stored) == sorted(f"new{i}".encode() for i in range(20))
+
+
+@pytest.mark.parametrize("idempotence", ["sequence", "message_id"])
+def test_recreated_topic_with_fewer_partitions_and_a_cached_producer_asyncio(
+    rbroker: redisq.Broker, idempotence: str
+) -> None:
+    """The asyncio twin: await producer.send() routes again by the new count after the answer
+    that the partition is gone (metadata read again); nothing stored twice, nothing lost."""
+
+    def mid(i: int) -> str | None:
+        return f"id{i}" if idempotence == "message_id" else None
+
+    async def run() -> tuple[list[redisq.RecordMetadata], list[tuple[int, str]]]:
+        broker = await rq.connect(REDIS_URL, namespace=rbroker.namespace)
+        results: list[redisq.RecordMetadata] = []
+        errors: list[tuple[int, str]] = []
+        try:
+            await broker.create_topic("t", partitions=4)
+            name = "svc" if idempotence == "sequence" else None
+            async with broker.producer(idempotence=idempotence, name=name) as producer:
+                for i in range(20):
+                    await producer.send("t", f"old{i}", key=f"k{i}", message_id=mid(i))
+                await broker.delete_topic("t")
+                await broker.create_topic("t", partitions=2)
+                for i in range(20):
+                    try:
+                        results.append(
+                            await producer.send("t", f"new{i}", key=f"k{i}", message_id=mid(i))
+                        )
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append((i, repr(exc)))
+        finally:
+            await broker.close()
+        return results, errors
+
+    results, errors = asyncio.run(run())
+    stored = values_of(rbroker, "t")
+    assert not [r for r in results if r.duplicate], results
+    assert not errors, errors
+    assert sorted(stored) == sorted(f"new{i}".encode() for i in range(20))
+
+
+def test_recreated_topic_fails_queued_sends_to_a_gone_partition_clearly(
+    rbroker: redisq.Broker,
+) -> None:
+    """send_async futures routed by the old count to a partition the re-created topic lacks fail
+    with PartitionGone (a TopicNotFound: nothing of them written), not re-routed behind later
+    messages of their keys; sends after that go by the new count."""
+    rbroker.create_topic("t", partitions=4)
+    gone_keys = [k for k in (f"k{i}" for i in range(40)) if zlib.crc32(k.encode()) % 4 >= 2]
+    with rbroker.producer() as producer:
+        producer.send("t", b"warm", key="k0")  # metadata cached: 4 partitions
+        rbroker.delete_topic("t")
+        rbroker.create_topic("t", partitions=2)
+        futures = [producer.send_async("t", f"q-{k}", key=k) for k in gone_keys]
+        producer.flush()
+        outcomes = [f.exception(timeout=30) for f in futures]
+        assert all(isinstance(e, PartitionGone) for e in outcomes), outcomes
+        assert all(isinstance(e, redisq.TopicNotFound) for e in outcomes)
+        later = producer.send_async("t", b"after", key=gone_keys[0]).result(timeout=30)
+    assert later.partition == zlib.crc32(gone_keys[0].encode()) % 2
+    assert values_of(rbroker, "t") == [b"after"]
 
 
 def test_recreated_topic_and_a_consumer_holding_its_leases(rbroker: redisq.Broker) -> None:

@@ -322,29 +322,37 @@ class Producer:
             refuse_timestamp_with_delay(timestamp_ms)
             args = (topic, value, key, headers, message_id, partition, delay_ms, deliver_at)
             return await self._delayed.send(*args, timeout=timeout)
-        cached = self._topics.get(topic)
-        if cached is None:
-            config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise here
-        else:
-            config = cached[1]
-            stale = time.monotonic() - cached[0] >= self._metadata_max_age_s
-            if stale and topic not in self._refreshing:
-                self._refreshing.add(topic)  # refreshed in the background; this one goes now
-                asyncio.ensure_future(self._refresh(topic))
-        while self._deferred:  # keep the order of earlier send_async() calls
-            await self._wait_progress()
-        while self._core.buffered >= self.settings.max_buffered_messages:
-            if self._core.fatal is not None:
-                raise self._core.fatal
-            await self._wait_progress()
-        self._refuse_unsendable()  # closed while this send waited
-        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
-        batch = self._enqueue(
-            config, value, key, headers, message_id, partition, future, timestamp_ms
-        )
-        core.seal_batch(batch)
-        self._wake.set()
-        return await wait_acknowledged(future, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for again in (False, True):  # once more after PartitionGone: routed by stale metadata
+            cached = self._topics.get(topic)
+            if cached is None:
+                config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise
+            else:
+                config = cached[1]
+                stale = time.monotonic() - cached[0] >= self._metadata_max_age_s
+                if stale and topic not in self._refreshing:
+                    self._refreshing.add(topic)  # refreshed in the background; this one goes now
+                    asyncio.ensure_future(self._refresh(topic))
+            while self._deferred:  # keep the order of earlier send_async() calls
+                await self._wait_progress()
+            while self._core.buffered >= self.settings.max_buffered_messages:
+                if self._core.fatal is not None:
+                    raise self._core.fatal
+                await self._wait_progress()
+            self._refuse_unsendable()  # closed while this send waited
+            future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+            batch = self._enqueue(
+                config, value, key, headers, message_id, partition, future, timestamp_ms
+            )
+            core.seal_batch(batch)
+            self._wake.set()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await wait_acknowledged(future, left)
+            except errors.PartitionGone:
+                if again:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _wait_progress(self) -> None:
         self._progress.clear()
