@@ -526,18 +526,19 @@ def test_trim_racing_an_orderly_consumer_never_reorders_or_repeats(rbroker: redi
 
 
 def test_message_id_is_not_forgotten_while_its_message_is_still_retained(
-    rbroker: redisq.Broker,
+    broker: redisq.Broker,
 ) -> None:
     """DESIGN §2: "Dedup and producer state never expire sooner than the messages they
     protect." Retention by age trims on writes with MINID ~ (whole stream nodes), so on a quiet
     partition a message stays long after retention_ms; its id (dedup window = retention_ms,
-    remembered one to two windows) is forgotten first, and a resend is stored next to it."""
-    rbroker.create_topic("t", partitions=1, retention_ms=1000)
-    with rbroker.producer(idempotence="message_id") as producer:
+    remembered one to two windows) is forgotten first, and a resend is stored next to it. Every
+    backend (the script's exact trim on Redis Cluster too)."""
+    broker.create_topic("t", partitions=1, retention_ms=1000)
+    with broker.producer(idempotence="message_id") as producer:
         first = producer.send("t", b"pay", message_id="pay-1")
         time.sleep(2.2)
         again = producer.send("t", b"pay", message_id="pay-1")
-    copies = [m.offset for m in rbroker.read("t", 0) if m.message_id == b"pay-1"]
+    copies = [m.offset for m in broker.read("t", 0) if m.message_id == b"pay-1"]
     assert again.duplicate or len(copies) <= 1, (
         f"message id stored twice, both retained: {copies} ({first}, {again})"
     )
