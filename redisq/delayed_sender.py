@@ -30,6 +30,7 @@ from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
+from redisq.transport import Transport
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle
@@ -229,6 +230,16 @@ class DelayedSender:
             signal_finished(batch)
 
     def _run(self) -> None:
+        # Connections of its own whose reads wait no longer than the round's first delivery
+        # deadline (redisq.transport): a silent network fails a batch at its delivery timeout.
+        timeout_s = min(30.0, self._settings.delivery_timeout_ms / 1000)
+        transport = Transport(self._broker.client, socket_timeout_s=timeout_s)
+        try:
+            self._send_rounds(transport)
+        finally:
+            transport.close()
+
+    def _send_rounds(self, transport: Transport) -> None:
         core, keys = self._core, self._broker.keys
         while True:
             with self._cond:
@@ -243,9 +254,11 @@ class DelayedSender:
             if not batches:
                 continue
             steps = core.steps(keys, batches, self._identity())
+            deadline = min(batch.deadline for batch in batches)
             try:
-                results = self._broker.scripts.execute(steps)
-            except Exception as exc:  # connection lost: every batch of the round goes again
+                results = transport.execute(steps, self._broker.scripts, deadline)
+            except Exception as exc:  # no answer (connection lost, or none by the deadline):
+                transport.reset()  # every batch of the round goes again, or fails if past it
                 if not isinstance(exc, NETWORK_ERRORS):
                     log.exception("delayed send round failed")
                 results = [exc] * len(steps)

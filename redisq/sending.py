@@ -12,7 +12,7 @@ import json
 import logging
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import redis
 
@@ -29,7 +29,7 @@ from redisq.protocol.resp import BULK_HEADERS, command
 from redisq.records import encode_headers
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
-from redisq.transport import Redirect
+from redisq.transport import Redirect, Router
 
 log = logging.getLogger("redisq.producer")
 
@@ -282,18 +282,6 @@ class MessageEncoder:
                     )  # fmt: skip
         message = self._encode(config, value, key, headers, message_id, partition, timestamp_ms)
         return message.partition, message.layout, message.parts, message.size
-
-
-class Router(Protocol):
-    """What a round needs of a transport: which node serves a key, and ASK redirections."""
-
-    def node_for(self, key: str) -> str: ...
-
-    def asking(self, key: str) -> bool: ...
-
-    def forget_asking(self, key: str) -> None: ...
-
-    def note_ask(self, key: str, node: str) -> None: ...
 
 
 class Round:

@@ -2,6 +2,8 @@
 
 Reads wait no longer than the caller's deadline (the oldest batch's delivery timeout), so a
 silent socket (a blackholed network, a stopped server) cannot hold a send past its timeout.
+The plain sender writes its own rounds (redisq.sending.Round); the delayed senders hand a list
+of protocol steps to execute() (StepRound: the same routing, ASKING and error mapping).
 
 redis-py's pipeline encodes every argument in Python and reads one round before the next can be
 written. The producer encodes each message once, when it is queued, and keeps up to two rounds
@@ -15,10 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 from redis.cluster import RedisCluster
+
+from redisq.errors import from_reply
+from redisq.protocol import ScriptCall, Step
+from redisq.protocol.resp import command
+
+if TYPE_CHECKING:
+    from redisq.scripts import Scripts
 
 log = logging.getLogger("redisq.transport")
 
@@ -166,3 +176,95 @@ class Transport:
 
     def close(self) -> None:
         self.reset()
+
+    def execute(self, steps: list[Step], scripts: Scripts, deadline: float) -> list[Any]:
+        """Run protocol steps (see StepRound) on these connections, reading no later than
+        deadline (time.monotonic(): DeadlineReached, then reset() before the next use); their
+        results in order, an exception in place of a failed step's."""
+        round_ = StepRound(steps, scripts.pack, self)
+        for node, payload in round_.payloads.items():
+            self.send(node, payload)
+        replies = {node: self.read(node, n, deadline) for node, n in round_.expected().items()}
+        results = round_.results(replies)
+        for name in round_.missing_scripts(results):  # a restarted or flushed server
+            scripts.load(name)  # the steps did not run: they go again (retriable)
+        return results
+
+
+class Router(Protocol):
+    """What a round needs of a transport: which node serves a key, and ASK redirections."""
+
+    def node_for(self, key: str) -> str: ...
+
+    def asking(self, key: str) -> bool: ...
+
+    def forget_asking(self, key: str) -> None: ...
+
+    def note_ask(self, key: str, node: str) -> None: ...
+
+
+class StepRound:
+    """Protocol steps as one write per node (no I/O; Transport.execute and AsyncTransport.execute
+    do it): a ScriptCall goes to the node of its first key (behind ASKING after an ASK
+    redirection), a Command (WAIT / WAITAOF) to the node of the step before it."""
+
+    def __init__(
+        self, steps: list[Step], pack: Callable[[ScriptCall[Any]], bytes], router: Router
+    ) -> None:
+        self.steps = steps
+        self._router = router
+        self._slots: dict[str, list[int | None]] = {}  # per node, each reply's step (None: ASKING)
+        parts: dict[str, list[bytes]] = {}
+        node = ""
+        for i, step in enumerate(steps):
+            if isinstance(step, ScriptCall):
+                key = step.keys[0]
+                node = router.node_for(key)
+                if router.asking(key):
+                    router.forget_asking(key)
+                    parts.setdefault(node, []).append(command(b"ASKING", ()))
+                    self._slots.setdefault(node, []).append(None)
+                payload = pack(step)
+            else:
+                node = node or router.node_for("")
+                payload = command(str(step.args[0]).encode(), step.args[1:])
+            parts.setdefault(node, []).append(payload)
+            self._slots.setdefault(node, []).append(i)
+        self.payloads = {node: b"".join(p) for node, p in parts.items()}
+
+    def expected(self) -> dict[str, int]:
+        """How many replies to read from each node."""
+        return {node: len(slots) for node, slots in self._slots.items()}
+
+    def results(self, replies: dict[str, list[Any]]) -> list[Any]:
+        """The steps' results in order: decoded replies; error replies as our typed errors (or
+        redis-py's); a redirection as a ResponseError, after noting an ASK for the next try."""
+        out: list[Any] = [None] * len(self.steps)
+        for node, slots in self._slots.items():
+            for i, reply in zip(slots, replies[node], strict=True):
+                if i is None:  # the reply to ASKING
+                    continue
+                step = self.steps[i]
+                if isinstance(reply, Redirect):
+                    if reply.kind == "ASK" and isinstance(step, ScriptCall):
+                        self._router.note_ask(step.keys[0], reply.node)
+                    out[i] = redis.ResponseError(str(reply))  # did not run: retriable
+                elif isinstance(reply, redis.ResponseError):
+                    topic = step.topic if isinstance(step, ScriptCall) else "?"
+                    out[i] = from_reply(str(reply), topic) or reply
+                elif isinstance(reply, Exception):
+                    out[i] = reply
+                else:
+                    out[i] = step.decode(reply)
+        return out
+
+    def missing_scripts(self, results: list[Any]) -> list[str]:
+        """The scripts of steps refused with NOSCRIPT (they did not run), to load."""
+        return sorted(
+            {
+                step.script
+                for step, result in zip(self.steps, results, strict=True)
+                if isinstance(step, ScriptCall)
+                and isinstance(result, redis.exceptions.NoScriptError)
+            }
+        )

@@ -29,6 +29,7 @@ from redisq.protocol import ScriptCall
 from redisq.protocol import schedule as calls
 from redisq.protocol.produce import ProducerIdentity, encode_message
 from redisq.scheduler import Scheduler
+from redisq.transport import Transport
 
 PARTITIONS = 3
 
@@ -222,21 +223,19 @@ def _lose_first_reply(
 ) -> list[int]:
     """The first schedule.lua call runs, then its reply is lost (ConnectionError), after
     before_raising() returns; the producer must send the same batch again."""
-    real = broker.scripts.execute
+    real = Transport.execute  # the delayed sender's rounds (its own connections)
     lost: list[int] = []
 
-    def execute(steps: Any) -> Any:
-        result = real(steps)
-        scheduling = isinstance(steps, list) and any(
-            isinstance(s, ScriptCall) and s.script == "schedule" for s in steps
-        )
+    def execute(self: Transport, steps: Any, *args: Any) -> Any:
+        result = real(self, steps, *args)
+        scheduling = any(isinstance(s, ScriptCall) and s.script == "schedule" for s in steps)
         if scheduling and not lost:
             lost.append(1)
             before_raising()
             raise redis.ConnectionError("reply lost (test)")
         return result
 
-    monkeypatch.setattr(broker.scripts, "execute", execute)
+    monkeypatch.setattr(Transport, "execute", execute)
     return lost
 
 

@@ -17,6 +17,7 @@ import redis
 
 import redisq
 from redisq.asyncio.scheduler import Scheduler as AsyncScheduler
+from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import InvalidConfig
 from redisq.protocol import ScriptCall
 from redisq.scheduler import Scheduler
@@ -92,14 +93,12 @@ async def test_a_resent_batch_after_a_lost_reply_is_stored_once(
 ) -> None:
     async with env.connect() as broker:
         await broker.create_topic("orders", partitions=1)
-        real = broker.scripts.execute
+        real = AsyncTransport.execute  # the delayed sender's rounds (its own connections)
         lost: list[int] = []
 
-        async def execute(steps: Any) -> Any:
-            result = await real(steps)
-            scheduling = isinstance(steps, list) and any(
-                isinstance(s, ScriptCall) and s.script == "schedule" for s in steps
-            )
+        async def execute(self: AsyncTransport, steps: Any, *args: Any) -> Any:
+            result = await real(self, steps, *args)
+            scheduling = any(isinstance(s, ScriptCall) and s.script == "schedule" for s in steps)
             if scheduling and not lost:
                 lost.append(1)
                 # Lose the reply only once the messages were delivered: the re-sent batch
@@ -109,7 +108,7 @@ async def test_a_resent_batch_after_a_lost_reply_is_stored_once(
             return result
 
         log = broker.keys.log("orders", 0)
-        monkeypatch.setattr(broker.scripts, "execute", execute)
+        monkeypatch.setattr(AsyncTransport, "execute", execute)
         async with broker.producer(retry_backoff_ms=10) as producer:
             futures = [producer.send_async("orders", b"v%d" % i, delay_ms=100) for i in range(4)]
             metas = await asyncio.gather(*futures)

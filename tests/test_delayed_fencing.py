@@ -235,16 +235,15 @@ def test_delayed_batches_respect_max_batch_bytes(
     from redisq.protocol import ScriptCall
 
     broker.create_topic("orders", partitions=1)
-    real = broker.scripts.execute
+    real = broker.scripts.pack  # the delayed sender writes packed calls to its own connections
     sizes: dict[str, list[int]] = {"schedule": [], "produce": []}
 
-    def execute(steps):  # type: ignore[no-untyped-def]
-        for step in steps if isinstance(steps, list) else [steps]:
-            if isinstance(step, ScriptCall) and step.script == "schedule":
-                sizes["schedule"].append(sum(len(a) for a in step.args if isinstance(a, bytes)))
-        return real(steps)
+    def pack(step: ScriptCall) -> bytes:  # type: ignore[type-arg]
+        if step.script == "schedule":
+            sizes["schedule"].append(sum(len(a) for a in step.args if isinstance(a, bytes)))
+        return real(step)
 
-    monkeypatch.setattr(broker.scripts, "execute", execute)
+    monkeypatch.setattr(broker.scripts, "pack", pack)
     value = b"x" * (512 * 1024)
     with broker.producer(linger_ms=500) as producer:
         futures = [
@@ -268,16 +267,15 @@ async def test_delayed_batches_respect_max_batch_bytes_asyncio(
 
     broker.create_topic("orders", partitions=1)
     abroker = await rq.connect(server_url, namespace=broker.namespace)
-    real = abroker.scripts.execute
+    real = abroker.scripts.pack  # the delayed sender writes packed calls to its own connections
     sizes: list[int] = []
 
-    async def execute(steps):  # type: ignore[no-untyped-def]
-        for step in steps if isinstance(steps, list) else [steps]:
-            if isinstance(step, ScriptCall) and step.script == "schedule":
-                sizes.append(sum(len(a) for a in step.args if isinstance(a, bytes)))
-        return await real(steps)
+    def pack(step: ScriptCall) -> bytes:  # type: ignore[type-arg]
+        if step.script == "schedule":
+            sizes.append(sum(len(a) for a in step.args if isinstance(a, bytes)))
+        return real(step)
 
-    monkeypatch.setattr(abroker.scripts, "execute", execute)
+    monkeypatch.setattr(abroker.scripts, "pack", pack)
     value = b"x" * (512 * 1024)
     try:
         async with abroker.producer(linger_ms=500) as producer:

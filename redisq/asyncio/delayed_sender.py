@@ -19,6 +19,7 @@ from redisq import errors
 from redisq import identity as identity_ops
 from redisq.asyncio.client import run_operation, stop_task, wait_acknowledged
 from redisq.asyncio.scheduler import Scheduler
+from redisq.asyncio.transport import AsyncTransport
 from redisq.delayed import (
     DelayedBatch,
     DelayedCore,
@@ -264,6 +265,16 @@ class DelayedSender:
             self._core.partition_fenced(key)
 
     async def _run(self) -> None:
+        # Connections of its own whose reads wait no longer than the round's first delivery
+        # deadline (redisq.transport): a silent network fails a batch at its delivery timeout.
+        timeout_s = min(30.0, self._settings.delivery_timeout_ms / 1000)
+        transport = AsyncTransport(self._broker.client, socket_timeout_s=timeout_s)
+        try:
+            await self._send_rounds(transport)
+        finally:
+            await transport.close()
+
+    async def _send_rounds(self, transport: AsyncTransport) -> None:
         core, keys = self._core, self._broker.keys
         while not self._halted:
             needed = core.fences_to_prove()
@@ -288,9 +299,11 @@ class DelayedSender:
             identity = self._identity()
             assert identity is not None
             steps = core.steps(keys, batches, identity)
+            deadline = min(batch.deadline for batch in batches)
             try:
-                results = await self._broker.scripts.execute(steps)
-            except Exception as exc:  # connection lost: every batch of the round goes again
+                results = await transport.execute(steps, self._broker.scripts, deadline)
+            except Exception as exc:  # no answer (connection lost, or none by the deadline):
+                await transport.reset()  # every batch of the round goes again, or fails
                 if not isinstance(exc, NETWORK_ERRORS):
                     log.exception("delayed send round failed")
                 results = [exc] * len(steps)

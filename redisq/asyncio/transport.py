@@ -1,7 +1,8 @@
 """The asyncio producer's wire: what redisq.transport does, on redis.asyncio connections.
 
 Dedicated connections (one per node), pre-encoded rounds written whole, replies read no later
-than the caller's deadline (a silent socket cannot hold a send past its delivery timeout).
+than the caller's deadline (a silent socket cannot hold a send past its delivery timeout):
+the plain sender's rounds (redisq.sending.Round) and the delayed sender's steps (execute()).
 """
 
 from __future__ import annotations
@@ -9,12 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.asyncio.cluster import RedisCluster
 
-from redisq.transport import DeadlineReached, Redirect, restore_error_code
+from redisq.protocol import Step
+from redisq.transport import DeadlineReached, Redirect, StepRound, restore_error_code
+
+if TYPE_CHECKING:
+    from redisq.asyncio.client import AsyncScripts
 
 log = logging.getLogger("redisq.asyncio.transport")
 
@@ -111,6 +116,19 @@ class AsyncTransport:
 
     async def close(self) -> None:
         await self.reset()
+
+    async def execute(self, steps: list[Step], scripts: AsyncScripts, deadline: float) -> list[Any]:
+        """As redisq.transport.Transport.execute: protocol steps written whole (StepRound),
+        replies read no later than deadline; their results in order."""
+        round_ = StepRound(steps, scripts.pack, self)
+        for node, payload in round_.payloads.items():
+            await self.send(node, payload)
+        expected = round_.expected()
+        replies = {node: await self.read(node, n, deadline) for node, n in expected.items()}
+        results = round_.results(replies)
+        for name in round_.missing_scripts(results):  # a restarted or flushed server
+            await scripts.load(name)  # the steps did not run: they go again (retriable)
+        return results
 
 
 def _redirect(exc: redis.ResponseError) -> Redirect | None:
