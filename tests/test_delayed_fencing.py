@@ -92,8 +92,8 @@ def test_late_copy_of_a_timed_out_delayed_send_never_lands_after_newer_messages_
     delay_ms as SECOND) was scheduled after SECOND and delivered after it; SECOND's batch now
     marks FIRST's given up before it is stored, and the late copy is refused."""
     server, proxy = proxied
-    # socket_timeout=1: the producer gives up on the frozen connection in time (see the test
-    # above for what the default 30 s does to delayed sends).
+    # socket_timeout=1 (the broker's connections; the delayed sender's own bound their reads by
+    # the delivery timeout): tests/test_delayed_silent.py does this with the default 30 s.
     broker = redisq.connect(proxy.url, namespace="advlate", socket_timeout=1)
     broker.create_topic("orders", partitions=1, exist_ok=True)
     direct = redisq.connect(server.url, namespace="advlate")
