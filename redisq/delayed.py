@@ -46,6 +46,7 @@ from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
+from redisq.transport import DeadlineReached
 
 # The longest delay of a topic without a retention age: RocketMQ 5's default limit.
 MAX_DELAY_MS = 3 * 24 * 3600 * 1000
@@ -325,6 +326,8 @@ class DelayedCore:
             backoff_ms = self.settings.retry_backoff_ms * (0.5 + random.random())
             batch.retry_at = now + min(1.0, backoff_ms / 1000)
             return
+        if isinstance(error, DeadlineReached) and batch.last_error is not None:
+            error = batch.last_error  # says more than the read that ran into the deadline
         batch.error = error if not retriable else self._timeout(batch, error)
         self._done(batch)
 
