@@ -226,6 +226,20 @@ async def wait_acknowledged(future: asyncio.Future[T], timeout: float | None) ->
         raise TimeoutError(f"no acknowledgement within {timeout} s") from None
 
 
+def settle_futures(
+    futures: list[asyncio.Future[T]], error: BaseException | None, results: Callable[[], list[T]]
+) -> None:
+    """A finished batch's futures (message i's at position i): its error, or each its result."""
+    if error is not None:
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
+        return
+    for future, result in zip(futures, results(), strict=True):
+        if not future.done():
+            future.set_result(result)
+
+
 async def single_flight(
     running: dict[Any, asyncio.Future[T]], key: Any, start: Callable[[], Awaitable[T]]
 ) -> T:

@@ -28,7 +28,7 @@ import redis
 from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
-from redisq.asyncio.client import single_flight, stop_task, wait_acknowledged
+from redisq.asyncio.client import settle_futures, single_flight, stop_task, wait_acknowledged
 from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
@@ -51,20 +51,6 @@ log = logging.getLogger("redisq.asyncio.producer")
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 _Send = tuple[str, Any, Any, Any, Any, Any, int | None, "asyncio.Future[RecordMetadata]"]
-
-
-def _finished(batch: Batch) -> None:
-    # batch.waiter: message i's future at position i (_enqueue appends one per message, in order)
-    futures: list[asyncio.Future[RecordMetadata]] = batch.waiter
-    error = batch.error
-    if error is not None:
-        for future in futures:
-            if not future.done():
-                future.set_exception(error)
-        return
-    for future, metadata in zip(futures, batch.metadata_all(), strict=True):
-        if not future.done():
-            future.set_result(metadata)
 
 
 class Producer:
@@ -206,6 +192,13 @@ class Producer:
         self._topics[topic] = (time.monotonic(), config)
         return config
 
+    def _refresh_if_stale(self, topic: str, read_at: float) -> None:
+        """Metadata read before metadata_max_age_ms is read again in the background; the send
+        goes now, by what was read."""
+        if time.monotonic() - read_at >= self._metadata_max_age_s and topic not in self._refreshing:
+            self._refreshing.add(topic)
+            asyncio.ensure_future(self._refresh(topic))
+
     async def _refresh(self, topic: str) -> None:
         try:
             await self._topic_config(topic)
@@ -252,12 +245,7 @@ class Producer:
             if self._drainer is None or self._drainer.done():
                 self._drainer = asyncio.ensure_future(self._drain_deferred())
             return future
-        if (
-            time.monotonic() - cached[0] >= self._metadata_max_age_s
-            and topic not in self._refreshing
-        ):
-            self._refreshing.add(topic)  # refreshed in the background; this one goes now
-            asyncio.ensure_future(self._refresh(topic))
+        self._refresh_if_stale(topic, cached[0])
         self._enqueue(cached[1], value, key, headers, message_id, partition, future, timestamp_ms)
         return future
 
@@ -329,10 +317,7 @@ class Producer:
                 config = await self._topic_config(topic)  # TopicNotFound, ProducerFenced raise
             else:
                 config = cached[1]
-                stale = time.monotonic() - cached[0] >= self._metadata_max_age_s
-                if stale and topic not in self._refreshing:
-                    self._refreshing.add(topic)  # refreshed in the background; this one goes now
-                    asyncio.ensure_future(self._refresh(topic))
+                self._refresh_if_stale(topic, cached[0])
             while self._deferred:  # keep the order of earlier send_async() calls
                 await self._wait_progress()
             while self._core.buffered >= self.settings.max_buffered_messages:
@@ -440,7 +425,7 @@ class Producer:
         self._halted = True
 
     def _on_finished(self, batch: Batch) -> None:
-        _finished(batch)
+        settle_futures(batch.waiter, batch.error, batch.metadata_all)
         self._progress.set()
 
     # -- the sender task -------------------------------------------------------------------------
