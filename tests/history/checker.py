@@ -67,6 +67,18 @@ class Call:
     value: str
     start: float
     end: float | None = None  # None: no handle_end (killed mid-call, or still running)
+    # The process's own monotonic clock: exact between two calls of one process, where the
+    # server's TIME was seen to step back by tens of microseconds (Valkey 9, a loaded machine)
+    mono_start: float = 0.0
+    mono_end: float | None = None
+
+    def before(self, other: Call) -> bool:
+        """This call returned before `other` began, both in one process (its monotonic clock)."""
+        return (
+            self.proc == other.proc
+            and self.mono_end is not None
+            and (self.mono_end <= other.mono_start)
+        )
 
     def describe(self) -> str:
         end = f"{self.end:.3f}" if self.end is not None else "never"
@@ -110,14 +122,14 @@ class History:
             elif kind == "handle_start":
                 call = Call(
                     e["proc"], e["member"], e["call"], e["partition"], e["offset"], e.get("key"),
-                    e.get("value", ""), event_time(e),
+                    e.get("value", ""), event_time(e), mono_start=e["mono"],
                 )  # fmt: skip
                 open_calls[(e["proc"], e["call"])] = call
                 self.calls.append(call)
             elif kind == "handle_end":
                 started = open_calls.pop((e["proc"], e["call"]), None)
                 if started is not None:
-                    started.end = event_time(e)
+                    started.end, started.mono_end = event_time(e), e["mono"]
         for invokes in self.by_instance.values():
             invokes.sort(key=lambda e: e["seq"])
 
@@ -313,7 +325,7 @@ def one_handler_per_partition(history: History) -> list[str]:
         for call in calls:
             active = [a for a in active if history.effective_end(a) > call.start]
             for other in active:
-                if history.effective_end(call) <= other.start:
+                if history.effective_end(call) <= other.start or other.before(call):
                     continue
                 if id(other) in excused or id(call) in excused:
                     continue
