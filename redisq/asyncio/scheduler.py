@@ -91,7 +91,10 @@ class Scheduler:
         self._wake.set()
         try:
             await asyncio.wait_for(task, 5)
-        except Exception as exc:  # stuck on a silent server: cancelled by wait_for
+        except TimeoutError:  # stuck on a silent server: cancelled by wait_for
+            log.warning("scheduler did not stop within 5 s: its leases expire by themselves")
+            return  # (as redisq.scheduler: a hand-back would wait for the socket timeout too)
+        except Exception as exc:
             log.warning("scheduler did not stop cleanly: %r", exc)
         try:
             await run_operation(release_round(self._core, self._broker.keys), self._broker.scripts)
