@@ -62,6 +62,17 @@ def _check_timed_out(error: BaseException | None, elapsed: float) -> None:
     )
 
 
+def _send_first_times_out(producer: redisq.Producer) -> None:
+    """The delayed send on the silent network ends with DeliveryTimeout, in time."""
+    started = time.monotonic()
+    error: BaseException | None = None
+    try:
+        producer.send(TOPIC, b"FIRST-MESSAGE", key="k", delay_ms=300, timeout=LIMIT_S)
+    except Exception as exc:
+        error = exc
+    _check_timed_out(error, time.monotonic() - started)
+
+
 # -- a proxy that stops forwarding the delayed sender's connection ------------------------------
 
 
@@ -76,13 +87,7 @@ def test_proxy_silent_delayed_send_times_out_and_its_late_copy_is_refused(
     try:
         producer.send(TOPIC, b"warm", key="k", delay_ms=300)  # the delayed connection is open
         proxy.trap(b"FIRST-MESSAGE")  # that connection goes silent from this send on
-        started = time.monotonic()
-        error: BaseException | None = None
-        try:
-            producer.send(TOPIC, b"FIRST-MESSAGE", key="k", delay_ms=300, timeout=LIMIT_S)
-        except Exception as exc:
-            error = exc
-        _check_timed_out(error, time.monotonic() - started)
+        _send_first_times_out(producer)
         held = proxy.held_connections()
         assert held, "the proxy holds the given-up batch's bytes"
         proxy.heal(keep=held)  # the network is back, but the late copy is still on its way
@@ -175,15 +180,10 @@ def test_sigstop_delayed_send_times_out(stoppable: ServerProcess) -> None:
     try:
         producer.send(TOPIC, b"warm", key="k", delay_ms=300)
         os.kill(server.pid, signal.SIGSTOP)
-        started = time.monotonic()
-        error: BaseException | None = None
         try:
-            producer.send(TOPIC, b"FIRST-MESSAGE", key="k", delay_ms=300, timeout=LIMIT_S)
-        except Exception as exc:
-            error = exc
+            _send_first_times_out(producer)
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        _check_timed_out(error, time.monotonic() - started)
         second = producer.send(TOPIC, b"SECOND", key="k", delay_ms=300, timeout=LIMIT_S)
         assert not second.duplicate
         with redisq.connect(server.url, namespace="stopped") as direct:
