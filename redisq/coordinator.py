@@ -296,16 +296,21 @@ class Coordinator:
         bound to its name yet); nothing of a partition is read before on_assign returns."""
         with self._announce_lock:
             with self._lock:
-                tps = self.ownership.to_announce() if self._use is not None else []
-            if not tps:
+                owneds = self.ownership.to_announce() if self._use is not None else []
+            if not owneds:
                 return
-            self._callback("on_assign", tps)
+            try:
+                self._callback("on_assign", [owned.tp for owned in owneds])
+            except BaseException:
+                with self._lock:
+                    self.ownership.announce_abandoned(owneds)
+                raise
             with self._lock:
-                for tp in tps:
-                    owned = self.ownership.owned.get(tp)
-                    if owned is not None and not owned.finished:
-                        owned.announced = True
-                        self._maybe_start(tp)
+                start, owed = self.ownership.announce_done(owneds)
+                for tp in start:
+                    self._maybe_start(tp)
+            if owed:  # handed over while on_assign ran (_finish left on_revoke to us)
+                self._callback("on_revoke", owed)
 
     def _renew(self, tp: TopicPartition) -> None:
         with self._lock:
@@ -367,7 +372,9 @@ class Coordinator:
                     self._commit(tp)
                 except LeaseLost:
                     log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
-                if owned.announced:
+                with self._lock:
+                    tell = self.ownership.revoke_now(owned)
+                if tell:
                     self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
                 if self._memberships[tp[0]].release_lease(owned.lease, untried):

@@ -78,6 +78,9 @@ class Owned:
     paused: bool = False  # pause(): the lease is kept, nothing is read
     # on_assign has been told (orderly; from run()/poll() on): nothing is read before it is
     announced: bool = True
+    announcing: bool = False  # on_assign is running for it (in run()'s or poll()'s caller)
+    # handed over while on_assign ran: on_revoke is told once on_assign returned
+    revoke_owed: bool = False
 
     @property
     def lease_value(self) -> str:
@@ -243,13 +246,48 @@ class OwnershipCore:
         """What poll() reads: held, told to on_assign, not paused."""
         return sorted(tp for tp, o in self.owned.items() if o.announced and not o.paused)
 
-    def to_announce(self) -> list[TopicPartition]:
-        """Partitions granted whose on_assign is still to come (and still held)."""
-        return sorted(
-            tp
-            for tp, o in self.owned.items()
-            if not (o.announced or o.lost or o.revoked or o.finishing or o.finished)
+    def to_announce(self) -> list[Owned]:
+        """Partitions granted whose on_assign is still to come (and still held), marked as
+        being announced (announce_done() when on_assign returned)."""
+        owneds = sorted(
+            (
+                o
+                for o in self.owned.values()
+                if not (o.announced or o.announcing or o.lost or o.revoked)
+                and not (o.finishing or o.finished)
+            ),
+            key=lambda o: o.tp,
         )
+        for owned in owneds:
+            owned.announcing = True
+        return owneds
+
+    def announce_done(
+        self, owneds: list[Owned]
+    ) -> tuple[list[TopicPartition], list[TopicPartition]]:
+        """on_assign returned for owneds: (those still held, to read; those handed over while it
+        ran, whose on_revoke their _finish left to the announcer)."""
+        start: list[TopicPartition] = []
+        owed: list[TopicPartition] = []
+        for owned in owneds:
+            owned.announcing, owned.announced = False, True
+            if owned.revoke_owed:
+                owed.append(owned.tp)
+            elif self.owned.get(owned.tp) is owned and not (owned.finishing or owned.finished):
+                start.append(owned.tp)
+        return start, owed
+
+    def announce_abandoned(self, owneds: list[Owned]) -> None:
+        """on_assign did not return (cancelled): the next run()/poll() announces them again."""
+        for owned in owneds:
+            owned.announcing = owned.revoke_owed = False
+
+    def revoke_now(self, owned: Owned) -> bool:
+        """A hand-over's on_revoke: True to tell it now; an on_assign still running for it
+        (another thread or task) tells it when it returns."""
+        if owned.announcing:
+            owned.revoke_owed = True
+        return owned.announced
 
     def renewed(self, tp: TopicPartition, sent_at: float) -> None:
         owned = self.owned.get(tp)

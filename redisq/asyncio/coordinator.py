@@ -295,15 +295,19 @@ class Coordinator:
     async def _announce(self) -> None:
         """See redisq.coordinator.Coordinator._announce."""
         async with self._announce_lock:
-            tps = self.ownership.to_announce() if self._use is not None else []
-            if not tps:
+            owneds = self.ownership.to_announce() if self._use is not None else []
+            if not owneds:
                 return
-            await self._callback("on_assign", tps)
-            for tp in tps:
-                owned = self.ownership.owned.get(tp)
-                if owned is not None and not owned.finished:
-                    owned.announced = True
-                    self._maybe_start(tp)
+            try:
+                await self._callback("on_assign", [owned.tp for owned in owneds])
+            except BaseException:
+                self.ownership.announce_abandoned(owneds)
+                raise
+            start, owed = self.ownership.announce_done(owneds)
+            for tp in start:
+                self._maybe_start(tp)
+            if owed:  # handed over while on_assign ran (_finish left on_revoke to us)
+                await self._callback("on_revoke", owed)
 
     async def _renew(self, tp: TopicPartition) -> None:
         owned = self.ownership.owned.get(tp)
@@ -347,7 +351,7 @@ class Coordinator:
                     await self._commit(tp)
                 except LeaseLost:
                     log.warning("%s: %s/%d: final commit refused, lease lost", self.name, *tp)
-                if owned.announced:
+                if self.ownership.revoke_now(owned):
                     await self._callback("on_revoke", [tp])
             if owned.lease is not None and not owned.lost:
                 released = await self.broker.scripts.run(
