@@ -22,6 +22,7 @@ import pytest
 import redis
 
 import redisq
+from tests.aio import Env
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess, binary_for, redis_binary, start_cluster
 
@@ -159,6 +160,12 @@ def broker(server_url: str, namespace: str) -> Iterator[redisq.Broker]:
     """A broker on each backend, in a namespace of its own, emptied afterwards."""
     with broker_in(server_url, namespace) as broker:
         yield broker
+
+
+@pytest.fixture
+def env(broker: redisq.Broker, server_url: str) -> Env:
+    """The asyncio tests' backend: its url and the sync broker of the test's namespace."""
+    return Env(server_url, broker)
 
 
 @pytest.fixture(params=["valkey", "redis"])

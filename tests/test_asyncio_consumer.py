@@ -61,11 +61,6 @@ from tests.test_consumer import assert_seek_took_effect, seek_back_after
 from tests.test_malformed import EXPECTED, FOREIGN, assert_dead_lettered, fill, xadd
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 def numbers(messages: list[Message]) -> list[int]:
     return [json.loads(m.value)["n"] for m in messages]
 

@@ -39,11 +39,6 @@ from tests.test_producer import _Batch, send_numbered
 from tests.test_topics import snapshot
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 def sync_read_all(broker: redisq.Broker, topic: str) -> list[redisq.Message]:
     partitions = broker.describe_topic(topic).config.partitions
     return [m for p in range(partitions) for m in broker.read(topic, p)]

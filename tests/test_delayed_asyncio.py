@@ -24,11 +24,6 @@ from redisq.scheduler import Scheduler
 from tests.aio import Env, aio, read_all, wait_until
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 @aio
 async def test_delivered_once_never_before_due_by_a_consumer(env: Env) -> None:
     async with env.connect() as broker:

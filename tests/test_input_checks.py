@@ -23,11 +23,6 @@ from redisq.topic import MAX_TOPIC_SETTING, TopicConfig
 from tests.aio import FAST, Env, aio
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 def namespace_keys(broker: redisq.Broker) -> list[bytes]:
     return list(broker.client.scan_iter(match=broker.keys.pattern(), count=1000))
 

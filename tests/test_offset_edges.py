@@ -55,11 +55,6 @@ REFUSED_BY_REDIS = [
 ]
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 def values(messages: list[Message]) -> list[str]:
     return [m.value.decode() for m in messages]
 

@@ -11,8 +11,6 @@ import threading
 import time
 from typing import Any
 
-import pytest
-
 import redisq
 import redisq.asyncio as rq
 from tests.aio import Env, aio
@@ -20,11 +18,6 @@ from tests.aio import wait_until as async_wait_until
 from tests.conftest import wait_until
 
 COUNT = 10
-
-
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
 
 
 def fill(broker: redisq.Broker) -> list[str]:

@@ -12,19 +12,12 @@ import threading
 import time
 from typing import Any
 
-import pytest
-
 import redisq
 from tests.aio import FAST, Env, aio
 from tests.aio import wait_until as async_wait_until
 from tests.conftest import wait_until
 
 PARTITIONS = 4
-
-
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
 
 
 def told_and_held(calls: list[tuple[str, list[Any]]]) -> set[int]:

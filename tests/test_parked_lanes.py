@@ -34,11 +34,6 @@ PARK = {"failure_policy": "park_key", "max_attempts": 1, **FAST}
 GATE_S = 60.0  # the most a gated handler waits (a test that goes wrong fails, never hangs)
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 def key_in_lane(lane: int, prefix: str, lanes: int = 2) -> bytes:
     """A key that key_concurrency=`lanes` puts in lane `lane`."""
     i = 0

@@ -29,11 +29,6 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
-
-
 def stored(broker: redisq.Broker, topic: str = "t") -> list[bytes]:
     partitions = broker.describe_topic(topic).config.partitions
     return [m.value for p in range(partitions) for m in broker.read(topic, p)]

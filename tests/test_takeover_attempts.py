@@ -15,8 +15,6 @@ import asyncio
 import threading
 from typing import Any
 
-import pytest
-
 import redisq
 from redisq.keys import dead_letter_topic
 from redisq.records import Message
@@ -25,11 +23,6 @@ from tests.aio import wait_until as async_wait_until
 from tests.conftest import wait_until
 
 LEFT = 3  # members that are granted the partition and leave before reading it
-
-
-@pytest.fixture
-def env(broker: redisq.Broker, server_url: str) -> Env:
-    return Env(server_url, broker)
 
 
 OPTIONS = {"max_attempts": 2, "retry_backoff_ms": 10, "max_retry_backoff_ms": 10}
