@@ -383,11 +383,11 @@ class ProducerCore:
             state = self.partitions[(batch.topic, batch.partition)]
             gone = isinstance(error, TopicNotFound)
             for failed in list(state.unacked):
-                failed.error = error
-                if gone and not failed.unknown:
-                    failed.error = PartitionGone(
-                        failed.topic, failed.partition, failed.config.partitions
-                    )
+                failed.error = (
+                    PartitionGone(failed.topic, failed.partition, failed.config.partitions)
+                    if gone and not failed.unknown
+                    else error
+                )
                 self._retire(state, failed)
             state.next_seq = state.acked_next
             return

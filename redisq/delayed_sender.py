@@ -232,8 +232,7 @@ class DelayedSender:
     def _run(self) -> None:
         # Connections of its own whose reads wait no longer than the round's first delivery
         # deadline (redisq.transport): a silent network fails a batch at its delivery timeout.
-        timeout_s = min(30.0, self._settings.delivery_timeout_ms / 1000)
-        transport = Transport(self._broker.client, socket_timeout_s=timeout_s)
+        transport = Transport(self._broker.client, self._settings.delivery_timeout_ms)
         try:
             self._send_rounds(transport)
         finally:

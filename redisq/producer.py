@@ -442,9 +442,7 @@ class Producer:
     def _run(self) -> None:
         core = self._core
         settings = self.settings
-        transport = Transport(
-            self._client, socket_timeout_s=min(30.0, settings.delivery_timeout_ms / 1000)
-        )
+        transport = Transport(self._client, settings.delivery_timeout_ms)
         outstanding: deque[Round] = deque()
         backoff = settings.retry_backoff_ms / 1000
         try:

@@ -59,6 +59,12 @@ def restore_error_code(exc: redis.ResponseError) -> None:
         exc.args = (f"{code} {exc.args[0]}", *exc.args[1:])
 
 
+def socket_timeout_for(delivery_timeout_ms: int) -> float:
+    """A sender's connections: a write that cannot complete fails within the delivery timeout
+    (at most 30 s); reads are bounded by each round's deadline on top."""
+    return min(30.0, delivery_timeout_ms / 1000)
+
+
 class DeadlineReached(redis.TimeoutError):
     """No reply before the caller's deadline (a silent socket): the connection is dropped."""
 
@@ -75,9 +81,9 @@ class Redirect(Exception):
 class Transport:
     """Dedicated connections (one per node) on which whole rounds of commands are written."""
 
-    def __init__(self, client: Any, socket_timeout_s: float = 30.0) -> None:
+    def __init__(self, client: Any, delivery_timeout_ms: int) -> None:
         self._client = client
-        self._socket_timeout_s = socket_timeout_s
+        self._socket_timeout_s = socket_timeout_for(delivery_timeout_ms)
         # fakeredis answers when a reply is read, so it never looks readable before.
         self._bounded_reads = type(client).__module__.split(".")[0] != "fakeredis"
         self.is_cluster = isinstance(client, RedisCluster)

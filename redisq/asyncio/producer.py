@@ -432,9 +432,7 @@ class Producer:
     async def _run(self) -> None:
         core = self._core
         settings = self.settings
-        transport = AsyncTransport(
-            self.broker.client, socket_timeout_s=min(30.0, settings.delivery_timeout_ms / 1000)
-        )
+        transport = AsyncTransport(self.broker.client, settings.delivery_timeout_ms)
         outstanding: deque[Round] = deque()
         backoff = settings.retry_backoff_ms / 1000
         try:

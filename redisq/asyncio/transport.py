@@ -16,7 +16,13 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 
 from redisq.protocol import Step
-from redisq.transport import DeadlineReached, Redirect, StepRound, restore_error_code
+from redisq.transport import (
+    DeadlineReached,
+    Redirect,
+    StepRound,
+    restore_error_code,
+    socket_timeout_for,
+)
 
 if TYPE_CHECKING:
     from redisq.asyncio.client import AsyncScripts
@@ -25,9 +31,9 @@ log = logging.getLogger("redisq.asyncio.transport")
 
 
 class AsyncTransport:
-    def __init__(self, client: Any, socket_timeout_s: float = 30.0) -> None:
+    def __init__(self, client: Any, delivery_timeout_ms: int) -> None:
         self._client = client
-        self._socket_timeout_s = socket_timeout_s
+        self._socket_timeout_s = socket_timeout_for(delivery_timeout_ms)
         self.is_cluster = isinstance(client, RedisCluster)
         self._connections: dict[str, Any] = {}
         self._asking: dict[str, str] = {}
