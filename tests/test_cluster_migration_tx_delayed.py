@@ -1,0 +1,333 @@
+"""Transactions and delayed messages while a Redis Cluster slot migrates (SETSLOT IMPORTING /
+MIGRATING, MIGRATE ... KEYS in two halves, SETSLOT NODE), on a three-master cluster of Valkey and
+of Redis 7.0 (the `cluster3` fixture of tests/test_cluster.py).
+
+During such a migration a script whose keys are not all on one node is refused with ASK or
+TRYAGAIN, and one that creates a key beside existing ones (a roll-forward mark, a transaction's
+first staged batch, a scheduler lease) is refused with TRYAGAIN until the slot's keys are all
+moved and the slot is handed over. What a user checks afterwards must still hold:
+
+- transactions (thread and asyncio API) committed while the slot of one of their destination
+  partitions moves, or while the slot of their own record moves: every committed one is stored
+  whole and once, no aborted one is, per-key order holds, `commit()` never fails with a raw
+  cluster error, nothing committed is left in the registry;
+- delayed messages due before, during and after the move of their partition's slot: each is
+  appended once, never before its due time (the server's clock), none is lost.
+"""
+
+from __future__ import annotations
+
+import binascii
+import random
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+import redisq
+import redisq.transactional
+from redisq.scheduler import Scheduler
+from redisq.transactions import new_transaction_id
+from redisq.transport import Redirect, Transport
+from tests.conftest import wait_until
+from tests.servers import ServerProcess
+from tests.test_cluster import broker, cluster3, migrate_slot, owner_of  # noqa: F401
+from tests.txhelp import DRIVERS, registry
+
+pytestmark = pytest.mark.cluster
+
+TOPIC = "txmig"
+PARTITIONS = 6
+HOT = 2  # the partition whose slot moves
+
+
+class Abort(Exception):
+    """Raised inside a transaction block: the transaction must abort."""
+
+
+def hot_keys(partition: int, count: int = 8) -> list[bytes]:
+    keys = (b"k%d" % i for i in range(10_000))
+    return [k for k in keys if redisq.partition_for_key(k, PARTITIONS) == partition][:count]
+
+
+def tx_ids_in_slot(slot: int) -> Callable[[], str]:
+    """A stand-in for new_transaction_id: ULIDs (time now, random bits) whose record keys hash to
+    `slot` (only the last three characters are searched), so every transaction lives there."""
+    alphabet = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+    def make() -> str:
+        while True:
+            prefix = new_transaction_id()[:-3]
+            for a in alphabet:
+                for b in alphabet:
+                    for c in alphabet:
+                        tx_id = prefix + a + b + c
+                        if binascii.crc_hqx(f"~tx:{tx_id}".encode(), 0) % 16384 == slot:
+                            return tx_id
+
+    return make
+
+
+class TxRun:
+    """Transactions in a loop on one producer: three messages each (two to the hot partition,
+    one anywhere), every fifth aborted by an exception in its block. Records each transaction's
+    values and outcome; a commit() that raises anything is recorded and retried (README: "a
+    later commit() completes it") until it returns."""
+
+    def __init__(self, producer: Any, hot: list[bytes], cold: list[bytes]) -> None:
+        self.producer = producer
+        self.hot, self.cold = hot, cold
+        self.committed: dict[str, list[tuple[bytes, bytes]]] = {}
+        self.records: dict[str, list[Any]] = {}
+        self.aborted: dict[str, list[bytes]] = {}
+        self.errors: list[tuple[str, str]] = []
+        self.order: dict[bytes, int] = {}  # value -> send index
+        self.count = 0
+        self.stop = threading.Event()
+        self.failed: list[BaseException] = []
+
+    def one(self, rng: random.Random) -> None:
+        i = self.count
+        sends = [rng.choice(self.hot), rng.choice(self.hot), rng.choice(self.cold)]
+        values = [(key, b"%s:t%d:%d" % (key, i, j)) for j, key in enumerate(sends)]
+        abort = i % 5 == 4
+        tx = self.producer.transaction()
+        try:
+            with tx:
+                for key, value in values:
+                    self.order[value] = len(self.order)
+                    tx.send(TOPIC, value, key=key)
+                if abort:
+                    raise Abort
+        except Abort:
+            self.aborted[tx.transaction_id] = [v for _, v in values]
+            if tx.state == "open":  # abort() failed (logged): the user would abort again
+                self.errors.append((tx.transaction_id, "abort() failed"))
+                self.settle(tx.abort)
+            assert tx.state == "aborted", tx.state
+        except Exception as exc:  # commit() failed: the outcome is unknown to the user
+            self.errors.append((tx.transaction_id, f"{type(exc).__name__}: {exc}"))
+            self.settle(tx.commit)
+        if not abort:
+            assert tx.state == "committed", (tx.transaction_id, tx.state)
+            self.committed[tx.transaction_id] = values
+            self.records[tx.transaction_id] = list(tx.records)
+        self.count += 1
+
+    def settle(self, step: Callable[[], Any]) -> None:
+        """commit() or abort() again until the transaction is no longer open (60 s)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                step()
+                return
+            except Exception as again:
+                self.errors.append(("", f"again: {type(again).__name__}"))
+                time.sleep(0.2)
+
+    def run(self, at_least: int) -> None:
+        rng = random.Random(5)
+        try:
+            while not self.stop.is_set() or self.count < at_least:
+                self.one(rng)
+        except BaseException as exc:
+            self.failed.append(exc)
+
+    def check(self, broker: redisq.Broker) -> None:  # noqa: F811
+        """Committed: stored whole, once, at the offsets commit() answered; aborted: nothing;
+        per-key order; the registry empties (nothing left decided but not carried out)."""
+        assert not self.failed, self.failed
+        stored = [m for p in range(PARTITIONS) for m in broker.read(TOPIC, p)]
+        copies = Counter(m.value for m in stored)
+        assert not [v for v, n in copies.items() if n > 1], "a message stored twice"
+        for tx_id, values in self.committed.items():
+            missing = [v for _, v in values if v not in copies]
+            assert not missing, f"committed transaction {tx_id} lost {missing}"
+        for tx_id, values in self.aborted.items():
+            assert not [v for v in values if v in copies], f"aborted {tx_id} stored"
+        expected = sum(len(v) for v in self.committed.values())
+        assert len(stored) == expected
+        at = {(m.partition, m.offset): m.value for m in stored}
+        for tx_id, records in self.records.items():
+            values = [v for _, v in self.committed[tx_id]]
+            assert [at.get((r.partition, r.offset)) for r in records] == values
+        by_key: dict[bytes | None, list[int]] = defaultdict(list)
+        for m in stored:
+            by_key[m.key].append(self.order[m.value])
+        for key, indexes in by_key.items():
+            assert indexes == sorted(indexes), f"key {key!r} out of send order"
+        wait_until(lambda: not registry(broker), 30, "the transaction registry to empty")
+        assert not self.errors, f"{len(self.errors)} commit() failures, e.g. {self.errors[:3]}"
+
+
+@pytest.fixture(params=["sync", "async"])
+def driver(request: pytest.FixtureRequest, broker: redisq.Broker) -> Iterator[Any]:  # noqa: F811
+    url = broker.client.get_default_node().name
+    d = DRIVERS[request.param](f"redis://{url}", broker.namespace)
+    yield d
+    d.close()
+
+
+def run_during_migration(
+    cluster3: list[ServerProcess],  # noqa: F811
+    slot: int,
+    producer: Any,
+    *,
+    before: int = 20,
+    after: int = 10,
+) -> TxRun:
+    run = TxRun(producer, hot_keys(HOT), hot_keys(HOT + 1) + hot_keys(HOT + 2))
+    thread = threading.Thread(target=run.run, args=(before + after,), daemon=True)
+    thread.start()
+    wait_until(lambda: run.count >= before or run.failed, 60, "transactions before the move")
+    source, target, moved = migrate_slot(cluster3, slot)
+    run.stop.set()
+    thread.join(120)
+    assert not thread.is_alive(), "the transactions did not finish"
+    assert moved >= 1
+    assert owner_of(cluster3, slot) is target is not source
+    with source.client() as src:
+        assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    return run
+
+
+@pytest.mark.fault
+def test_transactions_while_a_destination_partition_slot_migrates(
+    broker: redisq.Broker,  # noqa: F811
+    cluster3: list[ServerProcess],  # noqa: F811
+    driver: Any,
+) -> None:
+    """Transactions writing to a partition whose slot moves commit whole and once (roll-forward
+    marks are created beside the moving stream: TRYAGAIN), aborted ones leave nothing, per-key
+    order holds, and commit() answers success or a transaction error, never a cluster error."""
+    broker.create_topic(TOPIC, partitions=PARTITIONS)
+    slot = broker.client.keyslot(broker.keys.log(TOPIC, HOT))
+    name = f"txp-{uuid.uuid4().hex[:6]}"
+    with driver.producer(name, transactional=True, delivery_timeout_ms=60_000) as producer:
+        run = run_during_migration(cluster3, slot, producer)
+    run.check(broker)
+    assert len(run.committed) >= 20 and run.aborted
+
+
+@pytest.mark.fault
+def test_transactions_while_their_record_slot_migrates(
+    broker: redisq.Broker,  # noqa: F811
+    cluster3: list[ServerProcess],  # noqa: F811
+    driver: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every transaction's record and staged batches ({~tx:<id>}) in the one slot that moves:
+    staging (new keys: ASK, then TRYAGAIN on the importing node), deciding and finishing still
+    end with every committed transaction whole and once, no aborted one stored, nothing left."""
+    broker.create_topic(TOPIC, partitions=PARTITIONS)
+    partition_slots = {broker.client.keyslot(broker.keys.log(TOPIC, p)) for p in range(6)}
+    slot = broker.client.keyslot(broker.keys.transaction(new_transaction_id()))
+    while slot in partition_slots or slot == broker.client.keyslot(broker.keys.transactions()):
+        slot = broker.client.keyslot(broker.keys.transaction(new_transaction_id()))
+    make = tx_ids_in_slot(slot)
+    monkeypatch.setattr(redisq.transactional, "new_transaction_id", make)
+    import redisq.asyncio.transactional as async_transactional
+
+    monkeypatch.setattr(async_transactional, "new_transaction_id", make)
+    assert broker.client.keyslot(broker.keys.transaction(make())) == slot
+    name = f"txr-{uuid.uuid4().hex[:6]}"
+    with driver.producer(name, transactional=True, delivery_timeout_ms=60_000) as producer:
+        run = run_during_migration(cluster3, slot, producer)
+    slots = {broker.client.keyslot(broker.keys.transaction(t)) for t in run.committed}
+    assert slots == {slot}
+    run.check(broker)
+
+
+# -- delayed messages ----------------------------------------------------------------------------
+
+
+@pytest.mark.fault
+def test_delayed_messages_due_across_a_partition_slot_migration(
+    broker: redisq.Broker,  # noqa: F811
+    cluster3: list[ServerProcess],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Delayed messages to a partition whose slot moves, due before, during and after the move,
+    sent before and during it, delivered by the producer's scheduler and a second one racing it:
+    each is appended exactly once, never before its due time (stream ID ms >= deliver_at_ms, both
+    the server's clock), none is lost, and the schedule ends empty on the new owner."""
+    seen: Counter[str] = Counter()  # redirections the delayed sender met, by kind
+    original_redirect = Transport._redirect
+
+    def counting_redirect(self: Transport, exc: redis.ResponseError) -> Redirect | None:
+        seen[str(exc).split(" ", 1)[0]] += 1
+        return original_redirect(self, exc)
+
+    monkeypatch.setattr(Transport, "_redirect", counting_redirect)
+    broker.create_topic(TOPIC, partitions=PARTITIONS)
+    slot = broker.client.keyslot(broker.keys.log(TOPIC, HOT))
+    keys = hot_keys(HOT)
+    sent: list[tuple[bytes, Any]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    started = threading.Event()
+
+    def produce(producer: Any) -> None:
+        rng = random.Random(3)
+        try:
+            i = 0
+            while not stop.is_set() or i < 1500:
+                key = rng.choice(keys)
+                value = b"%s:d%d" % (key, i)
+                delay = rng.randrange(1, 2500)
+                sent.append((value, producer.send_async(TOPIC, value, key=key, delay_ms=delay)))
+                i += 1
+                if i == 500:
+                    started.set()
+                if i % 50 == 0:
+                    time.sleep(0.02)
+            producer.flush(timeout=120)
+        except BaseException as exc:
+            errors.append(exc)
+            started.set()
+
+    with (
+        broker.producer(max_batch_messages=50, delivery_timeout_ms=60_000) as producer,
+        Scheduler(broker, [TOPIC]),
+    ):
+        thread = threading.Thread(target=produce, args=(producer,), daemon=True)
+        thread.start()
+        assert started.wait(60)
+        with owner_of(cluster3, slot).client() as node:
+            began_ms = int(node.time()[0]) * 1000
+        source, target, _ = migrate_slot(cluster3, slot)
+        with target.client() as node:
+            ended_ms = int(node.time()[0]) * 1000 + 1000
+        stop.set()
+        thread.join(120)
+        assert not thread.is_alive() and not errors, errors
+        metas = {value: future.result(timeout=0) for value, future in sent}
+
+        def all_delivered() -> bool:
+            return sum(1 for p in range(PARTITIONS) for _ in broker.read(TOPIC, p)) >= len(sent)
+
+        wait_until(all_delivered, 60, "every delayed message to be delivered")
+        time.sleep(0.3)  # a duplicate delivery would land now
+    stored = [m for p in range(PARTITIONS) for m in broker.read(TOPIC, p)]
+    copies = Counter(m.value for m in stored)
+    assert not [v for v, n in copies.items() if n > 1], "a delayed message delivered twice"
+    assert set(copies) == set(metas), "delayed messages lost"
+    early = [
+        (m.value, m.append_time_ms, metas[m.value].deliver_at_ms)
+        for m in stored
+        if m.append_time_ms < metas[m.value].deliver_at_ms
+    ]
+    assert not early, f"{len(early)} delivered before their due time, e.g. {early[:3]}"
+    assert all(m.partition == HOT for m in stored)
+    during = [v for v, meta in metas.items() if began_ms <= meta.deliver_at_ms <= ended_ms]
+    assert len(during) > 100, "too few messages due during the migration to prove anything"
+    assert seen["ASK"] + seen["MOVED"] > 0, f"the delayed sends never met a redirection: {seen}"
+    info = broker.describe_topic(TOPIC).partitions[HOT]
+    assert info.scheduled == 0 and info.node == f"127.0.0.1:{target.port}"
+    with source.client() as src:
+        assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
