@@ -75,16 +75,17 @@ def tx_ids_in_slot(slot: int) -> Callable[[], str]:
 
 class TxRun:
     """Transactions in a loop on one producer: three messages each (two to the hot partition,
-    one anywhere), every fifth aborted by an exception in its block. Records each transaction's
-    values and outcome; a commit() that raises anything is recorded and retried (README: "a
-    later commit() completes it") until it returns."""
+    one elsewhere), every fifth aborted by an exception in its block. Records each transaction's
+    values, outcome and span; a commit() or abort() that raises anything else is recorded and
+    called again (README: "a later commit() completes it") until the transaction is settled."""
 
-    def __init__(self, producer: Any, hot: list[bytes], cold: list[bytes]) -> None:
-        self.producer = producer
+    def __init__(self, producer: Any, tag: int, hot: list[bytes], cold: list[bytes]) -> None:
+        self.producer, self.tag = producer, tag
         self.hot, self.cold = hot, cold
-        self.committed: dict[str, list[tuple[bytes, bytes]]] = {}
+        self.committed: dict[str, list[bytes]] = {}
         self.records: dict[str, list[Any]] = {}
         self.aborted: dict[str, list[bytes]] = {}
+        self.spans: list[tuple[float, float]] = []  # (begin, end) of each transaction
         self.errors: list[tuple[str, str]] = []
         self.order: dict[bytes, int] = {}  # value -> send index
         self.count = 0
@@ -92,35 +93,33 @@ class TxRun:
         self.failed: list[BaseException] = []
 
     def one(self, rng: random.Random) -> None:
-        i = self.count
+        i, began = self.count, time.monotonic()
         sends = [rng.choice(self.hot), rng.choice(self.hot), rng.choice(self.cold)]
-        values = [(key, b"%s:t%d:%d" % (key, i, j)) for j, key in enumerate(sends)]
+        values = [b"%s:p%d:t%d:%d" % (key, self.tag, i, j) for j, key in enumerate(sends)]
         abort = i % 5 == 4
         tx = self.producer.transaction()
         try:
             with tx:
-                for key, value in values:
+                for key, value in zip(sends, values, strict=True):
                     self.order[value] = len(self.order)
                     tx.send(TOPIC, value, key=key)
                 if abort:
                     raise Abort
         except Abort:
-            self.aborted[tx.transaction_id] = [v for _, v in values]
             if tx.state == "open":  # abort() failed (logged): the user would abort again
                 self.errors.append((tx.transaction_id, "abort() failed"))
                 self.settle(tx.abort)
-            assert tx.state == "aborted", tx.state
         except Exception as exc:  # commit() failed: the outcome is unknown to the user
             self.errors.append((tx.transaction_id, f"{type(exc).__name__}: {exc}"))
             self.settle(tx.commit)
-        if not abort:
-            assert tx.state == "committed", (tx.transaction_id, tx.state)
-            self.committed[tx.transaction_id] = values
-            self.records[tx.transaction_id] = list(tx.records)
+        assert tx.state == ("aborted" if abort else "committed"), (tx.transaction_id, tx.state)
+        (self.aborted if abort else self.committed)[tx.transaction_id] = values
+        self.records[tx.transaction_id] = list(tx.records)
+        self.spans.append((began, time.monotonic()))
         self.count += 1
 
     def settle(self, step: Callable[[], Any]) -> None:
-        """commit() or abort() again until the transaction is no longer open (60 s)."""
+        """commit() or abort() again until one returns (60 s)."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -131,38 +130,41 @@ class TxRun:
                 time.sleep(0.2)
 
     def run(self, at_least: int) -> None:
-        rng = random.Random(5)
+        rng = random.Random(self.tag)
         try:
             while not self.stop.is_set() or self.count < at_least:
                 self.one(rng)
         except BaseException as exc:
             self.failed.append(exc)
 
-    def check(self, broker: redisq.Broker) -> None:  # noqa: F811
-        """Committed: stored whole, once, at the offsets commit() answered; aborted: nothing;
-        per-key order; the registry empties (nothing left decided but not carried out)."""
-        assert not self.failed, self.failed
-        stored = [m for p in range(PARTITIONS) for m in broker.read(TOPIC, p)]
-        copies = Counter(m.value for m in stored)
-        assert not [v for v, n in copies.items() if n > 1], "a message stored twice"
-        for tx_id, values in self.committed.items():
-            missing = [v for _, v in values if v not in copies]
+
+def check_transactions(broker: redisq.Broker, runs: list[TxRun]) -> None:  # noqa: F811
+    """Committed: stored whole, once, at the offsets commit() answered; aborted: nothing;
+    per-key send order; the registry empties (nothing left decided but not carried out); and
+    no commit() or abort() failed on the way."""
+    assert not [r.failed for r in runs if r.failed]
+    stored = [m for p in range(PARTITIONS) for m in broker.read(TOPIC, p)]
+    copies = Counter(m.value for m in stored)
+    assert not [v for v, n in copies.items() if n > 1], "a message stored twice"
+    at = {(m.partition, m.offset): m.value for m in stored}
+    order = {v: (run.tag, i) for run in runs for v, i in run.order.items()}
+    for run in runs:
+        for tx_id, values in run.committed.items():
+            missing = [v for v in values if v not in copies]
             assert not missing, f"committed transaction {tx_id} lost {missing}"
-        for tx_id, values in self.aborted.items():
+            records = [at.get((r.partition, r.offset)) for r in run.records[tx_id]]
+            assert records == values, f"{tx_id}: records {records} != sent {values}"
+        for tx_id, values in run.aborted.items():
             assert not [v for v in values if v in copies], f"aborted {tx_id} stored"
-        expected = sum(len(v) for v in self.committed.values())
-        assert len(stored) == expected
-        at = {(m.partition, m.offset): m.value for m in stored}
-        for tx_id, records in self.records.items():
-            values = [v for _, v in self.committed[tx_id]]
-            assert [at.get((r.partition, r.offset)) for r in records] == values
-        by_key: dict[bytes | None, list[int]] = defaultdict(list)
-        for m in stored:
-            by_key[m.key].append(self.order[m.value])
-        for key, indexes in by_key.items():
-            assert indexes == sorted(indexes), f"key {key!r} out of send order"
-        wait_until(lambda: not registry(broker), 30, "the transaction registry to empty")
-        assert not self.errors, f"{len(self.errors)} commit() failures, e.g. {self.errors[:3]}"
+    assert len(stored) == sum(len(v) for run in runs for v in run.committed.values())
+    by_key: dict[bytes | None, list[tuple[int, int]]] = defaultdict(list)
+    for m in stored:
+        by_key[m.key].append(order[m.value])
+    for key, indexes in by_key.items():
+        assert indexes == sorted(indexes), f"key {key!r} out of send order"
+    wait_until(lambda: not registry(broker), 30, "the transaction registry to empty")
+    errors = [e for run in runs for e in run.errors]
+    assert not errors, f"{len(errors)} commit()/abort() failures, e.g. {errors[:3]}"
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -174,26 +176,44 @@ def driver(request: pytest.FixtureRequest, broker: redisq.Broker) -> Iterator[An
 
 
 def run_during_migration(
+    broker: redisq.Broker,  # noqa: F811
     cluster3: list[ServerProcess],  # noqa: F811
+    driver: Any,
     slot: int,
-    producer: Any,
-    *,
-    before: int = 20,
-    after: int = 10,
-) -> TxRun:
-    run = TxRun(producer, hot_keys(HOT), hot_keys(HOT + 1) + hot_keys(HOT + 2))
-    thread = threading.Thread(target=run.run, args=(before + after,), daemon=True)
-    thread.start()
-    wait_until(lambda: run.count >= before or run.failed, 60, "transactions before the move")
+    producers: int = 3,
+) -> list[TxRun]:
+    """`producers` named transactional producers, each in its own thread on keys of its own,
+    run transactions before, during and after the move of `slot`; then check_transactions."""
+    hot, cold = hot_keys(HOT, 12), hot_keys(HOT + 1) + hot_keys(HOT + 2)
+    prefix = f"tx-{uuid.uuid4().hex[:6]}"
+    opened = [
+        driver.producer(f"{prefix}-{j}", transactional=True, delivery_timeout_ms=60_000)
+        for j in range(producers)
+    ]
+    runs = [TxRun(p, j, hot[j::producers], cold[j::producers]) for j, p in enumerate(opened)]
+    threads = [threading.Thread(target=r.run, args=(20,), daemon=True) for r in runs]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: all(r.count >= 10 or r.failed for r in runs), 60, "transactions first")
+    began = time.monotonic()
     source, target, moved = migrate_slot(cluster3, slot)
-    run.stop.set()
-    thread.join(120)
-    assert not thread.is_alive(), "the transactions did not finish"
-    assert moved >= 1
-    assert owner_of(cluster3, slot) is target is not source
+    ended = time.monotonic()
+    for run in runs:
+        run.stop.set()
+    for thread in threads:
+        thread.join(120)
+    assert not any(t.is_alive() for t in threads), "the transactions did not finish"
+    for producer in opened:
+        producer.close()
+    assert moved >= 1 and owner_of(cluster3, slot) is target is not source
     with source.client() as src:
         assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
-    return run
+    during = sum(1 for r in runs for b, e in r.spans if b < ended and e > began)
+    print(f"{during} transactions overlapped the migration")
+    assert during >= producers, "too few transactions during the migration to prove anything"
+    check_transactions(broker, runs)
+    assert all(r.aborted and len(r.committed) >= 16 for r in runs)
+    return runs
 
 
 @pytest.mark.fault
@@ -207,11 +227,7 @@ def test_transactions_while_a_destination_partition_slot_migrates(
     order holds, and commit() answers success or a transaction error, never a cluster error."""
     broker.create_topic(TOPIC, partitions=PARTITIONS)
     slot = broker.client.keyslot(broker.keys.log(TOPIC, HOT))
-    name = f"txp-{uuid.uuid4().hex[:6]}"
-    with driver.producer(name, transactional=True, delivery_timeout_ms=60_000) as producer:
-        run = run_during_migration(cluster3, slot, producer)
-    run.check(broker)
-    assert len(run.committed) >= 20 and run.aborted
+    run_during_migration(broker, cluster3, driver, slot)
 
 
 @pytest.mark.fault
@@ -235,12 +251,9 @@ def test_transactions_while_their_record_slot_migrates(
 
     monkeypatch.setattr(async_transactional, "new_transaction_id", make)
     assert broker.client.keyslot(broker.keys.transaction(make())) == slot
-    name = f"txr-{uuid.uuid4().hex[:6]}"
-    with driver.producer(name, transactional=True, delivery_timeout_ms=60_000) as producer:
-        run = run_during_migration(cluster3, slot, producer)
-    slots = {broker.client.keyslot(broker.keys.transaction(t)) for t in run.committed}
-    assert slots == {slot}
-    run.check(broker)
+    runs = run_during_migration(broker, cluster3, driver, slot)
+    ids = [t for r in runs for t in (*r.committed, *r.aborted)]
+    assert {broker.client.keyslot(broker.keys.transaction(t)) for t in ids} == {slot}
 
 
 # -- delayed messages ----------------------------------------------------------------------------
