@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
-import redis
-
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.errors import InvalidConfig, ProducerClosed, RedisqError
@@ -30,6 +28,7 @@ from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactions import (
+    RETRIABLE_ERRORS,
     TransactionCore,
     TransactionResult,
     TxConsumer,
@@ -61,7 +60,7 @@ class TxProducer(Protocol):
 log = logging.getLogger("redisq.transactions")
 T = TypeVar("T")
 
-_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_NETWORK_ERRORS = RETRIABLE_ERRORS  # redisq.transactions: cluster redirections too
 LocalFn = Callable[[str, list[TxMessage]], Any]
 
 

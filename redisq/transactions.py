@@ -12,6 +12,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import redis
+from redis.exceptions import AskError, ClusterError, TryAgainError
+
 from redisq.errors import (
     InvalidConfig,
     LeaseLost,
@@ -27,6 +30,20 @@ from redisq.records import Message, RecordMetadata, decode_headers, offset_at
 from redisq.settings import ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
+
+# A step may be run again after these (every transaction operation is idempotent as a whole):
+# a lost connection or reply, and a slot moving between cluster nodes. redis-py follows ASK and
+# MOVED and retries TRYAGAIN (a migrating slot's keys split between the nodes, or a key created
+# beside existing ones) for only about 0.4 s before it raises ClusterError("TTL exhausted");
+# a redirected or refused command did not run.
+RETRIABLE_ERRORS = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+    ClusterError,
+    TryAgainError,
+    AskError,
+)
 
 
 class TxConsumer(Protocol):

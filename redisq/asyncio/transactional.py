@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
-import redis
-
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.asyncio.client import stop_task
@@ -34,6 +32,7 @@ from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactional import as_state, background_lease_ms, background_tick_s
 from redisq.transactions import (
+    RETRIABLE_ERRORS,
     TransactionCore,
     TransactionResult,
     TxConsumer,
@@ -66,7 +65,7 @@ class TxProducer(Protocol):
 log = logging.getLogger("redisq.transactions")
 T = TypeVar("T")
 
-_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_NETWORK_ERRORS = RETRIABLE_ERRORS  # redisq.transactions: cluster redirections too
 
 
 async def _answer(fn: Callable[..., Any], *args: Any) -> Any:
