@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -87,8 +87,12 @@ Sent = list[tuple[bytes, bytes, SendFuture]]
 
 
 def check_exactly_once(broker: redisq.Broker, sent: Sent) -> int:
-    """Every acknowledged message stored once, at its answered offset; per-key send order."""
-    acked = {value: future.result(timeout=120) for _, value, future in sent}
+    """Every acknowledged message stored once, at its answered offset; per-key send order.
+    The futures may be SendFutures or done asyncio futures (whose result() takes no timeout)."""
+    acked = {
+        value: future.result(timeout=120) if isinstance(future, SendFuture) else future.result()
+        for _, value, future in sent
+    }
     stored: list[redisq.Message] = []
     for p in range(PARTITIONS):
         stored += broker.read(TOPIC, p)
@@ -164,10 +168,16 @@ def test_keyed_produce_reads_back_exactly_once_in_key_order(
 
 
 def migrate_slot(
-    nodes: list[ServerProcess], slot: int, pause_s: float = 0.3
+    nodes: list[ServerProcess],
+    slot: int,
+    pause_s: float = 0.3,
+    hook: Callable[[str], None] | None = None,
 ) -> tuple[ServerProcess, ServerProcess, int]:
     """Move slot from its owner to the next master, keys in two MIGRATE calls with pauses in
-    between so that writers meet MIGRATING (ASK), split keys (TRYAGAIN) and then MOVED."""
+    between so that writers meet MIGRATING (ASK), split keys (TRYAGAIN) and then MOVED.
+    hook(stage), if given, runs (in the caller's thread) at "split" (some keys moved, the others
+    not yet) and at "moved" (every key on the target, the slot not handed over yet: only ASK
+    reaches them)."""
     source = owner_of(nodes, slot)
     target = next(n for n in nodes if n is not source)
     source_id, target_id = node_id(source), node_id(target)
@@ -186,7 +196,11 @@ def migrate_slot(
             first = False
             src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000, "KEYS", *keys)
             moved += len(keys)
+            if hook is not None and moved == len(keys):  # the first MIGRATE
+                hook("split")
             time.sleep(pause_s)
+        if hook is not None:
+            hook("moved")
         # The importing node first, then the old owner, then everybody else (cluster docs).
         dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
         src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
