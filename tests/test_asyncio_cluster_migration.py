@@ -36,6 +36,8 @@ from tests.test_cluster import (  # noqa: F401
     check_exactly_once,
     cluster3,
     migrate_slot,
+    node_id,
+    owner_of,
     produce_keyed,
 )
 
@@ -247,3 +249,33 @@ async def test_async_group_during_slot_migration(
     print(f"asyncio {mode} group, slot migration: {redelivered} redeliveries")
     with source.client() as src:
         assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+
+
+# -- a named producer restarting while its partition's slot migrates -----------------------------
+
+
+@aio
+async def test_named_producer_starts_while_slot_migrates(
+    broker: redisq.Broker, cluster3: list[ServerProcess]
+) -> None:
+    """A new instance of a named producer fences its older one on every partition at start; one
+    partition's slot is MIGRATING (its keys still on the source): the fence there succeeds and
+    the new instance sends, instead of failing on a key the script deleted and could not write
+    again ("non local key" mid-script, with the old state already gone)."""
+    broker.create_topic(TOPIC, partitions=PARTITIONS)
+    slot = broker.client.keyslot(broker.keys.log(TOPIC, MIGRATED))
+    source = owner_of(cluster3, slot)
+    target = next(n for n in cluster3 if n is not source)
+    async with await rq.connect(url_of(cluster3), namespace=broker.namespace) as client:
+        async with client.producer(name="svc") as old:
+            await old.send(TOPIC, b"before", partition=MIGRATED, timeout=30)
+        with source.client() as src, target.client() as dst:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", node_id(source))
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", node_id(target))
+        try:
+            async with client.producer(name="svc") as new:
+                meta = await new.send(TOPIC, b"during", partition=MIGRATED, timeout=30)
+        finally:
+            await asyncio.to_thread(migrate_slot, cluster3, slot)
+    assert meta.partition == MIGRATED
+    assert [m.value for m in broker.read(TOPIC, MIGRATED)] == [b"before", b"during"]
