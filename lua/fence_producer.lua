@@ -23,7 +23,17 @@ if stored and tonumber(stored) == epoch then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 0
 end
-redis.call('DEL', KEYS[1])
+-- Rewritten in place, never deleted: while the slot migrates, a key deleted by the script is no
+-- longer local and writing it again fails mid-script (after the DEL, which is not rolled back).
 redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'next', 0, 'nb', 0, 'batch', -1)
+local stale = {}
+for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if field ~= 'epoch' and field ~= 'next' and field ~= 'nb' and field ~= 'batch' then
+    stale[#stale + 1] = field
+  end
+end
+if #stale > 0 then
+  redis.call('HDEL', KEYS[1], unpack(stale))
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
