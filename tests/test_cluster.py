@@ -83,6 +83,20 @@ def owner_of(nodes: list[ServerProcess], slot: int) -> ServerProcess:
     raise AssertionError(f"no owner for slot {slot}")
 
 
+def count_redirects(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The redirections and refusals (ASK, MOVED, TRYAGAIN ...) the senders' Transport meets
+    from now on, counted by code."""
+    seen: Counter[str] = Counter()
+    original_redirect = Transport._redirect
+
+    def counting_redirect(self: Transport, exc: redis.ResponseError) -> Redirect | None:
+        seen[str(exc).split(" ", 1)[0]] += 1
+        return original_redirect(self, exc)
+
+    monkeypatch.setattr(Transport, "_redirect", counting_redirect)
+    return seen
+
+
 Sent = list[tuple[bytes, bytes, SendFuture]]
 
 
@@ -219,14 +233,7 @@ def test_slot_migration_while_producing(
     idempotence: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    seen: Counter[str] = Counter()  # error replies the producer met, by code
-    original_redirect = Transport._redirect
-
-    def counting_redirect(self: Transport, exc: redis.ResponseError) -> Redirect | None:
-        seen[str(exc).split(" ", 1)[0]] += 1
-        return original_redirect(self, exc)
-
-    monkeypatch.setattr(Transport, "_redirect", counting_redirect)
+    seen = count_redirects(monkeypatch)  # error replies the producer met, by code
     broker.create_topic(TOPIC, partitions=PARTITIONS)
     migrated_partition = 5
     slot = broker.client.keyslot(broker.keys.log(TOPIC, migrated_partition))

@@ -27,16 +27,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import redis
 
 import redisq
 import redisq.transactional
 from redisq.scheduler import Scheduler
 from redisq.transactions import new_transaction_id
-from redisq.transport import Redirect, Transport
 from tests.conftest import wait_until
 from tests.servers import ServerProcess
-from tests.test_cluster import broker, cluster3, migrate_slot, owner_of  # noqa: F401
+from tests.test_cluster import (  # noqa: F401
+    broker,
+    cluster3,
+    count_redirects,
+    migrate_slot,
+    owner_of,
+)
 from tests.txhelp import DRIVERS, registry
 
 pytestmark = pytest.mark.cluster
@@ -277,14 +281,7 @@ def test_delayed_messages_due_across_a_partition_slot_migration(
     sent before and during it, delivered by the producer's scheduler and a second one racing it:
     each is appended exactly once, never before its due time (stream ID ms >= deliver_at_ms, both
     the server's clock), none is lost, and the schedule ends empty on the new owner."""
-    seen: Counter[str] = Counter()  # redirections the delayed sender met, by kind
-    original_redirect = Transport._redirect
-
-    def counting_redirect(self: Transport, exc: redis.ResponseError) -> Redirect | None:
-        seen[str(exc).split(" ", 1)[0]] += 1
-        return original_redirect(self, exc)
-
-    monkeypatch.setattr(Transport, "_redirect", counting_redirect)
+    seen = count_redirects(monkeypatch)  # redirections the delayed sender met, by kind
     broker.create_topic(TOPIC, partitions=PARTITIONS)
     slot = broker.client.keyslot(broker.keys.log(TOPIC, HOT))
     keys = hot_keys(HOT)
