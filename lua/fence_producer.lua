@@ -14,6 +14,8 @@ Returns 1 if stored now, 0 if the stored epoch was already this one.
 Error replies
   PRODUCER_FENCED stored=<e> got=<e>   an even newer epoch is stored: the caller is the zombie
 ]]
+-- #include includes/state.lua
+
 local stored = redis.call('HGET', KEYS[1], 'epoch')
 local epoch = tonumber(ARGV[1])
 if stored and tonumber(stored) > epoch then
@@ -23,17 +25,6 @@ if stored and tonumber(stored) == epoch then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 0
 end
--- Rewritten in place, never deleted: while the slot migrates, a key deleted by the script is no
--- longer local and writing it again fails mid-script (after the DEL, which is not rolled back).
-redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'next', 0, 'nb', 0, 'batch', -1)
-local stale = {}
-for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if field ~= 'epoch' and field ~= 'next' and field ~= 'nb' and field ~= 'batch' then
-    stale[#stale + 1] = field
-  end
-end
-if #stale > 0 then
-  redis.call('HDEL', KEYS[1], unpack(stale))
-end
+rewrite_state(KEYS[1], {'epoch', ARGV[1], 'next', 0, 'nb', 0, 'batch', -1})
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1

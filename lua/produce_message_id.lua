@@ -41,9 +41,12 @@ Error replies
   OUT_OF_ORDER expected=<n>             a batch before this one is missing: nothing written
   INVALID_CONFIG <name>=<value> ...     a window, TTL or retention argument out of range: nothing
                                         written
+  TRYAGAIN ...                          the partition's slot is migrating and its dedup bucket
+                                        for this time slice cannot be written: nothing written
 ]]
 -- #include includes/append.lua
 -- #include includes/dedup.lua
+-- #include includes/state.lua
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
@@ -70,11 +73,8 @@ if stored_epoch == epoch then
 elseif ARGV[11] == '1' then
   return redis.error_reply('UNKNOWN_PRODUCER stored=' .. tostring(state[1]) .. ' got=' .. ARGV[2])
 else
-  if stored_epoch then
-    redis.call('DEL', KEYS[4])
-  end
   last_batch = acked_next - 1
-  redis.call('HSET', KEYS[4], 'epoch', ARGV[2], 'batch', string.format('%.0f', last_batch))
+  rewrite_state(KEYS[4], {'epoch', ARGV[2], 'batch', string.format('%.0f', last_batch)})
   redis.call('PEXPIRE', KEYS[4], ARGV[10])
 end
 -- As in produce_sequence: never expect less than the producer knows was acknowledged (a failover
@@ -85,6 +85,9 @@ if batch_no > expected then
 end
 
 local ring = dedup_ring(KEYS[2], KEYS[3], tonumber(ARGV[3]))
+if ring == nil then
+  return redis.error_reply('TRYAGAIN the dedup bucket cannot be written while its slot migrates')
+end
 local current = ring.current
 -- Retention by age goes first and exactly: an id is forgotten only once it is older than its
 -- window (at least one window, by the server's clock, the clock of this trim), so with a window of

@@ -41,6 +41,7 @@ Error replies
   INVALID_CONFIG <name>=<value> ...     a TTL or retention argument out of range: nothing written
 ]]
 -- #include includes/append.lua
+-- #include includes/state.lua
 
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('TOPIC_NOT_FOUND')
@@ -73,12 +74,9 @@ else
   -- where no fence reached. Everything before acked_next was acknowledged, so accepting
   -- acked_next opens no gap. The epoch is stored now, even if this batch turns out a duplicate
   -- or a gap: from here on an older epoch is refused.
-  if stored_epoch then
-    redis.call('DEL', KEYS[2])
-  end
   next_seq = tonumber(ARGV[5])
   batches = 0
-  redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'next', string.format('%.0f', next_seq), 'nb', 0)
+  rewrite_state(KEYS[2], {'epoch', ARGV[2], 'next', string.format('%.0f', next_seq), 'nb', 0})
   redis.call('PEXPIRE', KEYS[2], ARGV[7])
 end
 

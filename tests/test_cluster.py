@@ -186,12 +186,14 @@ def migrate_slot(
     slot: int,
     pause_s: float = 0.3,
     hook: Callable[[str], None] | None = None,
+    on_migrating: Callable[[], None] | None = None,
 ) -> tuple[ServerProcess, ServerProcess, int]:
     """Move slot from its owner to the next master, keys in two MIGRATE calls with pauses in
     between so that writers meet MIGRATING (ASK), split keys (TRYAGAIN) and then MOVED.
     hook(stage), if given, runs (in the caller's thread) at "split" (some keys moved, the others
     not yet) and at "moved" (every key on the target, the slot not handed over yet: only ASK
-    reaches them)."""
+    reaches them). on_migrating(), if given, runs once the slot is MIGRATING, before the pause
+    and before any key moves."""
     source = owner_of(nodes, slot)
     target = next(n for n in nodes if n is not source)
     source_id, target_id = node_id(source), node_id(target)
@@ -199,6 +201,8 @@ def migrate_slot(
     with source.client() as src, target.client() as dst:
         dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
         src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        if on_migrating is not None:
+            on_migrating()
         time.sleep(pause_s)
         first = True
         while True:

@@ -1,5 +1,5 @@
 -- includes/dedup.lua: a partition's dedup ring (after includes/append.lua, whose server_now_ms it
--- uses), shared by produce_message_id.lua and tx_apply.lua.
+-- uses), used by produce_message_id.lua.
 --
 -- Time slices of the dedup window come from the server's clock (TIME), never a client's: slice
 -- s = floor(now / window) lives in bucket s % 2, whose field "" records s (no remembered id is
@@ -10,6 +10,9 @@
 -- dedup_ring(bucket0, bucket1, window_ms): the ring as of now:
 --   {current = bucket of this slice, previous = the other one, fresh = current was emptied (or
 --    is new), previous_valid = previous holds the slice before, slice, now_ms, window_ms}
+-- or nil when the current bucket was emptied but cannot be written again: its slot is migrating
+-- (a key the script deleted is no longer local there). The caller then returns TRYAGAIN before it
+-- writes anything: the ids dropped were stale, and the client retries once the slot has moved.
 local function dedup_ring(bucket0, bucket1, window_ms)
   local now_ms = server_now_ms()
   local slice = math.floor(now_ms / window_ms)
@@ -19,8 +22,14 @@ local function dedup_ring(bucket0, bucket1, window_ms)
   local held = tonumber(redis.call('HGET', ring.current, ''))
   -- A bucket of a newer slice (the clock went back after a failover) is kept, not emptied.
   ring.fresh = held == nil or held < slice
-  if ring.fresh then
+  if ring.fresh and held ~= nil then
+    -- Emptied whole (DEL frees a large bucket far faster than HDEL of its fields), and its slice
+    -- marker is written at once, before anything is appended: the one write that can fail here.
     redis.call('DEL', ring.current)
+    local marked = redis.pcall('HSET', ring.current, '', string.format('%.0f', slice))
+    if type(marked) == 'table' and marked.err then
+      return nil
+    end
   end
   ring.previous_valid = redis.call('HGET', ring.previous, '') == string.format('%.0f', slice - 1)
   return ring
