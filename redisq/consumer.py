@@ -278,7 +278,10 @@ class Consumer(Coordinator):
     def close(self, timeout: float | None = None) -> None:
         """Finish the messages in flight, commit, release the leases and leave the group.
         timeout: seconds (None: no limit; TypeError / InvalidConfig otherwise, before anything
-        is done); a partition whose handler is still running then keeps its lease."""
+        is done); a partition whose handler is still running then keeps its lease. With a
+        timeout close() returns within about that time even when the server does not answer:
+        what is left (commits, handing leases back, leaving the group) then goes on in the
+        background until the socket timeout, and leases not handed back expire by themselves."""
         timeout = check_timeout(timeout)
         if self._closed:
             if not self._own_thread():  # closing in another thread (or a thread of ours)
@@ -286,20 +289,32 @@ class Consumer(Coordinator):
             return
         self._closed = True
         self._stopping.set()
+        failed: list[BaseException] = []
+        # The steps run in a thread of their own: close() waits for them no longer than timeout.
+        threading.Thread(
+            target=self._close,
+            args=(timeout, failed),
+            name=f"redisq-close-{self.name}",
+            daemon=True,
+        ).start()
         if self._own_thread():
             # From a handler or an on_assign/on_revoke callback: waiting here for the workers
-            # and the coordinator would wait for this very thread. The rest is done in a thread
-            # of its own (run() returns once it is done; Kafka's close() from a callback does
-            # not wait either).
-            threading.Thread(
-                target=self._close, args=(timeout,), name=f"redisq-close-{self.name}", daemon=True
-            ).start()
+            # and the coordinator would wait for this very thread (run() returns once it is
+            # done; Kafka's close() from a callback does not wait either).
             return
-        self._close(timeout)
+        if not self._close_done.wait(timeout):
+            log.warning(
+                "%s: close() timed out after %s s: the rest goes on in the background",
+                self.name, timeout,
+            )  # fmt: skip
+        elif failed:
+            raise failed[0]
 
-    def _close(self, timeout: float | None) -> None:
+    def _close(self, timeout: float | None, failed: list[BaseException]) -> None:
         try:
             self._close_steps(timeout)
+        except BaseException as exc:  # raised by close() in the caller's thread
+            failed.append(exc)
         finally:
             self._close_done.set()
 

@@ -20,7 +20,7 @@ from redisq.delayed import (
     when,
 )
 from redisq.errors import ProducerClosed, TopicNotFound
-from redisq.futures import Waiter
+from redisq.futures import Waiter, remaining
 from redisq.futures import finished as signal_finished
 from redisq.protocol import run_operation
 from redisq.protocol.produce import ProducerIdentity
@@ -30,7 +30,7 @@ from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
-from redisq.transport import Transport
+from redisq.transport import Halted, Transport
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle
@@ -66,6 +66,8 @@ class DelayedSender:
         self._cond = threading.Condition(threading.Lock())
         self._ids: ScheduleIds | None = None
         self._thread: threading.Thread | None = None
+        # The thread's connections, which close() can halt while it waits for replies.
+        self._transport = Transport(broker.client, settings.delivery_timeout_ms)
         self._scheduler: Scheduler | None = None
         self._scheduled_topics: set[str] = set()
         self._closing = False
@@ -205,7 +207,10 @@ class DelayedSender:
                 self._core.flush_requested = False
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, stop the sender thread and the scheduler (its leases are handed back)."""
+        """Flush, stop the sender thread and the scheduler (its leases are handed back). With a
+        timeout, within about that time: what is still unacknowledged then fails with
+        ProducerClosed (it may or may not be stored)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if self._thread is not None:
                 self.flush(timeout)
@@ -216,9 +221,24 @@ class DelayedSender:
                 self._cond.notify_all()
             self._signal_finished()
             if self._thread is not None:
-                self._thread.join(5)
+                self._stop_thread(self._thread, deadline)
             if self._scheduler is not None:
-                self._scheduler.close()
+                self._scheduler.close(5.0 if deadline is None else remaining(deadline))
+
+    def _stop_thread(self, thread: threading.Thread, deadline: float | None) -> None:
+        thread.join(5 if deadline is None else remaining(deadline))
+        if thread.is_alive():  # waiting for replies that did not come in time
+            self._transport.halt()
+            thread.join(1)
+        if thread.is_alive():
+            log.warning("the delayed sender did not stop at close(): its sends settle later")
+            return
+        with self._cond:
+            self._core.fail_all(
+                ProducerClosed("closed before the batch was acknowledged: it may or may not be "
+                               "stored"), in_flight=True,
+            )  # fmt: skip
+        self._signal_finished()
 
     def _signal_finished(self) -> None:
         with self._cond:
@@ -232,9 +252,11 @@ class DelayedSender:
     def _run(self) -> None:
         # Connections of its own whose reads wait no longer than the round's first delivery
         # deadline (redisq.transport): a silent network fails a batch at its delivery timeout.
-        transport = Transport(self._broker.client, self._settings.delivery_timeout_ms)
+        transport = self._transport
         try:
             self._send_rounds(transport)
+        except Halted:  # close() ran out of time: it fails what is unacknowledged
+            pass
         finally:
             transport.close()
 
@@ -256,6 +278,8 @@ class DelayedSender:
             deadline = min(batch.deadline for batch in batches)
             try:
                 results = transport.execute(steps, self._broker.scripts, deadline)
+            except Halted:
+                raise
             except Exception as exc:  # no answer (connection lost, or none by the deadline):
                 transport.reset()  # every batch of the round goes again, or fails if past it
                 if not isinstance(exc, NETWORK_ERRORS):

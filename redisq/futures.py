@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import numbers
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -34,6 +35,11 @@ def check_timeout(timeout: object, name: str = "timeout") -> float | None:
             f"{name}={timeout!r} is out of range: None or 0..{threading.TIMEOUT_MAX:.0f} seconds"
         )
     return seconds
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until deadline (time.monotonic()), never less than 0."""
+    return max(0.0, deadline - time.monotonic())
 
 
 class FutureBatch(Protocol):

@@ -33,7 +33,7 @@ from redisq.errors import (
     ProducerFenced,
     RedisqError,
 )
-from redisq.futures import CallbackQueue, SendFuture, Waiter, check_timeout
+from redisq.futures import CallbackQueue, SendFuture, Waiter, check_timeout, remaining
 from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
@@ -44,7 +44,7 @@ from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 from redisq.transactional import LocalFn, Transaction, Transactions
 from redisq.transactions import TransactionResult
-from redisq.transport import Transport
+from redisq.transport import Halted, Transport
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle as Broker
@@ -53,6 +53,7 @@ log = logging.getLogger("redisq.producer")
 T = TypeVar("T")
 
 _NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_CLOSED_UNACKED = "closed before the batch was acknowledged: it may or may not be stored"
 
 
 class Producer:
@@ -120,6 +121,8 @@ class Producer:
         self._transactions = Transactions(self) if settings.transactions else None
         if self._transactions is not None:
             self._transactions.recover()
+        # Its own connections, which close() can halt while it waits for replies.
+        self._transport = Transport(self._client, settings.delivery_timeout_ms)
         self._sender = threading.Thread(target=self._run, name="redisq-sender", daemon=True)
         self._sender.start()
         if self._transactions is not None:
@@ -415,10 +418,13 @@ class Producer:
         self._delayed.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> None:
-        """Abort an open transaction, flush, then stop the sender thread."""
+        """Abort an open transaction, flush, then stop the sender thread. With a timeout (seconds)
+        close() returns within about that time: what is still unacknowledged then fails with
+        ProducerClosed (it may or may not be stored) and flush's TimeoutError is raised."""
         timeout = check_timeout(timeout)
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._transactions is not None:
             self._transactions.close()
         try:
@@ -428,10 +434,17 @@ class Producer:
             with self._cond:
                 self._core.closing = True
                 self._cond.notify_all()
-            self._sender.join(timeout=5)
-            if not self._sender.is_alive():
+            self._sender.join(timeout=5 if deadline is None else remaining(deadline))
+            if self._sender.is_alive():  # waiting for replies that did not come in time
+                self._transport.halt()
+                self._sender.join(timeout=1)
+            if self._sender.is_alive():
+                log.warning("the sender did not stop at close(): its sends settle later")
+            else:
+                with self._cond:
+                    self._core.fail_all(ProducerClosed(_CLOSED_UNACKED), fatal=True)
                 self._callbacks.run()
-            self._delayed.close(timeout)
+            self._delayed.close(None if deadline is None else remaining(deadline))
             self._closed = True
 
     # -- the sender thread ---------------------------------------------------------------------
@@ -442,7 +455,7 @@ class Producer:
     def _run(self) -> None:
         core = self._core
         settings = self.settings
-        transport = Transport(self._client, settings.delivery_timeout_ms)
+        transport = self._transport
         outstanding: deque[Round] = deque()
         backoff = settings.retry_backoff_ms / 1000
         try:
@@ -494,6 +507,8 @@ class Producer:
                             backoff = min(backoff * 2, 1.0)
                         elif progress:
                             backoff = settings.retry_backoff_ms / 1000
+                except Halted:  # close() ran out of time: it fails what is unacknowledged
+                    return
                 except _NETWORK_ERRORS as exc:
                     # Replies in flight are lost: every batch on the wire goes again (the window
                     # answers the ones that were written as duplicates, with their offsets), or

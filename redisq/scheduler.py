@@ -34,6 +34,7 @@ from redisq.protocol import Command, Operation, ScriptCall, run_operation, text
 from redisq.protocol import schedule as calls
 from redisq.protocol.schedule import Delivered
 from redisq.topic import TopicConfig
+from redisq.transport import Transport
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle
@@ -318,7 +319,9 @@ class Scheduler:
                 self._thread.start()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and hand back the leases it holds."""
+        """Stop the thread and hand back the leases it holds, within about timeout seconds (from
+        a silent server it does not hear back: the leases expire by themselves)."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._stop.set()
             thread = self._thread
@@ -328,10 +331,20 @@ class Scheduler:
         thread.join(timeout)
         if thread.is_alive():
             return  # stuck on a silent server: its leases expire by themselves
+        # Connections whose socket timeout (the handshake's too) and reads end at the deadline.
+        left_ms = max(1, int(1000 * (deadline - time.monotonic())))
+        transport = Transport(self._broker.client, left_ms)
         try:
-            run_operation(release_round(self._core, self._broker.keys), self._execute)
+            run_operation(
+                release_round(self._core, self._broker.keys),
+                lambda steps: transport.execute(
+                    steps if isinstance(steps, list) else [steps], self._broker.scripts, deadline
+                ),
+            )
         except (*NETWORK_ERRORS, redis.RedisError) as exc:  # the leases expire by themselves
             log.warning("scheduler: could not hand back its leases: %s", exc)
+        finally:
+            transport.close()
 
     def __enter__(self) -> Scheduler:
         return self

@@ -16,6 +16,7 @@ behind ASKING.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -69,6 +70,15 @@ class DeadlineReached(redis.TimeoutError):
     """No reply before the caller's deadline (a silent socket): the connection is dropped."""
 
 
+class Halted(Exception):
+    """halt() was called while a reply was awaited (close() ran out of time): the replies of
+    the round are abandoned; what it wrote may or may not have run."""
+
+
+# How often a read waiting for a reply checks for halt().
+_HALT_POLL_S = 0.05
+
+
 class Redirect(Exception):
     """A cluster redirection (MOVED or ASK) for one command: the command did not run."""
 
@@ -89,6 +99,12 @@ class Transport:
         self.is_cluster = isinstance(client, RedisCluster)
         self._connections: dict[str, Any] = {}
         self._asking: dict[str, str] = {}  # key -> node named by an ASK redirection
+        self._halted = threading.Event()
+
+    def halt(self) -> None:
+        """From any thread: a read waiting for a reply raises Halted (within 50 ms), and so does
+        every later one."""
+        self._halted.set()
 
     def node_for(self, key: str) -> str:
         """The node that serves key (standalone: the one server)."""
@@ -136,23 +152,30 @@ class Transport:
         self._connection(node).send_packed_command([payload], check_health=False)
 
     def read(self, node: str, count: int, deadline: float | None = None) -> list[Any]:
-        """Read count replies from node; error replies come back as exception objects. With a
-        deadline (time.monotonic()), redis.TimeoutError once it passes with a reply missing."""
+        """Read count replies from node; error replies come back as exception objects.
+        DeadlineReached (a redis.TimeoutError) once deadline (time.monotonic(); None: the socket
+        timeout from now) passes with a reply missing; Halted after halt()."""
         conn = self._connection(node)
         replies: list[Any] = []
+        if deadline is None:  # the socket timeout, as read_response alone would wait
+            deadline = time.monotonic() + self._socket_timeout_s
         for _ in range(count):
-            if (
-                deadline is not None
-                and self._bounded_reads
-                and not conn.can_read(max(0.0, deadline - time.monotonic()))
-            ):
-                raise DeadlineReached(f"no reply from {node} within the delivery timeout")
+            if self._bounded_reads:
+                self._wait_readable(conn, node, deadline)
             try:
                 replies.append(conn.read_response())
             except redis.ResponseError as exc:
                 restore_error_code(exc)
                 replies.append(self._redirect(exc) or exc)
         return replies
+
+    def _wait_readable(self, conn: Any, node: str, deadline: float) -> None:
+        """Until a reply can be read: DeadlineReached once deadline passes, Halted after halt()."""
+        while not conn.can_read(min(max(0.0, deadline - time.monotonic()), _HALT_POLL_S)):
+            if self._halted.is_set():
+                raise Halted(f"halted while waiting for a reply from {node}")
+            if time.monotonic() >= deadline:
+                raise DeadlineReached(f"no reply from {node} within the delivery timeout")
 
     def _redirect(self, exc: redis.ResponseError) -> Redirect | None:
         text = str(exc)

@@ -221,13 +221,30 @@ class Consumer(Coordinator):
         """Finish the messages in flight, commit, release the leases and leave the group. See
         redisq.Consumer.close: a partition whose handler is still running after timeout
         seconds keeps its lease (it runs out unrenewed, or the handler's task hands the
-        partition over when it ends)."""
+        partition over when it ends). With a timeout close() returns within about that time
+        even when the server does not answer: what is left (commits, handing leases back,
+        leaving the group) goes on in a task of its own while the event loop runs."""
         timeout = check_timeout(timeout)
         if self._closed:
             return
         self._closed = True
         self._stopping.set()
         self.ownership.stopping = True
+        steps = self._closing = asyncio.ensure_future(self._close_steps(timeout))
+        try:
+            done, _ = await asyncio.wait({steps}, timeout=timeout)
+        except asyncio.CancelledError:  # close() itself cancelled: nothing left running
+            steps.cancel()
+            raise
+        if not done:
+            log.warning(
+                "%s: close() timed out after %s s: the rest goes on in the background",
+                self.name, timeout,
+            )  # fmt: skip
+            return
+        steps.result()
+
+    async def _close_steps(self, timeout: float | None) -> None:
         running: set[TopicPartition] = set()
         try:
             if self._workers:

@@ -101,6 +101,7 @@ class Coordinator:
         self._use: str | None = None
         self._stopping = asyncio.Event()
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # close()'s steps (held while they run)
         self._started = False
         self._coordinator: asyncio.Task[None] | None = None
         # Set by close() before it cancels the coordinator task: a cancel can be lost on its

@@ -29,6 +29,7 @@ from redisq.delayed import (
     when,
 )
 from redisq.errors import ProducerClosed, TopicNotFound
+from redisq.futures import remaining
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
@@ -186,7 +187,10 @@ class DelayedSender:
             self._core.flush_requested = False
 
     async def close(self, timeout: float | None = None) -> None:
-        """Flush, stop the sender task and the scheduler (its leases are handed back)."""
+        """Flush, stop the sender task and the scheduler (its leases are handed back). With a
+        timeout, within about that time: what is still unacknowledged then fails with
+        ProducerClosed (it may or may not be stored)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if self._sender is not None or self._deferred:
                 await self.flush(timeout)
@@ -197,16 +201,15 @@ class DelayedSender:
             self._wake.set()
             if self._sender is not None:
                 try:
-                    if not await stop_task(self._sender, 5, self._halt):
-                        log.warning(
-                            "the delayed sender did not stop within 5 s of close(): stopped"
-                        )
+                    grace = 5.0 if deadline is None else remaining(deadline)
+                    if not await stop_task(self._sender, grace, self._halt):
+                        log.warning("the delayed sender did not stop in time at close(): stopped")
                 except asyncio.CancelledError:  # close() itself cancelled: nothing left running
                     self.halt()
                     raise
                 self._fail_in_flight()
             if self._scheduler is not None:
-                await self._scheduler.close()
+                await self._scheduler.close(5.0 if deadline is None else remaining(deadline))
 
     def halt(self) -> None:
         """The producer's close() was cancelled: stop the sender task and the scheduler now;

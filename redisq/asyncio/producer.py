@@ -33,7 +33,7 @@ from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import InvalidConfig, ProducerClosed, ProducerFenced
-from redisq.futures import check_timeout
+from redisq.futures import check_timeout, remaining
 from redisq.keys import validate_name, validate_topic
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
@@ -394,6 +394,7 @@ class Producer:
         timeout = check_timeout(timeout)
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._starting is not None and not self._starting.done():
             # A start() under way ends first: its sender task is then stopped below, not
             # left running with the identity it took.
@@ -407,8 +408,10 @@ class Producer:
             self._core.closing = True
             self._wake.set()
             try:
-                if self._sender is not None and not await stop_task(self._sender, 5, self._halt):
-                    log.warning("the sender did not stop within 5 s of close(): stopped")
+                grace = 5.0 if deadline is None else remaining(deadline)
+                sender = self._sender
+                if sender is not None and not await stop_task(sender, grace, self._halt):
+                    log.warning("the sender did not stop in time at close(): stopped")
             except asyncio.CancelledError:  # close() itself cancelled: nothing left running
                 self._delayed.halt()
                 raise
@@ -418,7 +421,7 @@ class Producer:
                     ProducerClosed("closed before the batch was acknowledged: it may or may "
                                    "not be stored"), fatal=True,
                 )  # fmt: skip
-            await self._delayed.close(timeout)
+            await self._delayed.close(None if deadline is None else remaining(deadline))
             self._closed = True
 
     def _halt(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from redisq.asyncio.client import run_operation
+from redisq.futures import remaining
 from redisq.scheduler import (
     MAX_BACKOFF_S,
     NETWORK_ERRORS,
@@ -80,8 +81,10 @@ class Scheduler:
         if self._task is None and not self._closed:
             self._task = asyncio.ensure_future(self._run())
 
-    async def close(self) -> None:
-        """Stop the task and hand back the leases it holds."""
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop the task and hand back the leases it holds, within about timeout seconds (from
+        a silent server it does not hear back: the leases expire by themselves)."""
+        deadline = time.monotonic() + timeout
         self._closed = True
         task, self._task = self._task, None
         if task is None:
@@ -90,16 +93,19 @@ class Scheduler:
         # comes as the event it waits for is set.
         self._wake.set()
         try:
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(task, remaining(deadline))
         except TimeoutError:  # stuck on a silent server: cancelled by wait_for
-            log.warning("scheduler did not stop within 5 s: its leases expire by themselves")
-            return  # (as redisq.scheduler: a hand-back would wait for the socket timeout too)
+            log.warning("scheduler did not stop at close(): its leases expire by themselves")
+            return
         except Exception as exc:
             log.warning("scheduler did not stop cleanly: %r", exc)
         try:
-            await run_operation(release_round(self._core, self._broker.keys), self._broker.scripts)
+            await asyncio.wait_for(
+                run_operation(release_round(self._core, self._broker.keys), self._broker.scripts),
+                remaining(deadline),
+            )
         except Exception as exc:  # the leases expire by themselves
-            log.warning("scheduler: could not hand back its leases: %s", exc)
+            log.warning("scheduler: could not hand back its leases: %r", exc)
 
     def halt(self) -> None:
         """The close of its owner was cancelled: stop the task now, without waiting (its leases

@@ -1,0 +1,195 @@
+"""close(timeout=...) against a server that stops answering (SIGSTOP), thread and asyncio APIs,
+Valkey and Redis, servers of the test's own.
+
+What a user checks: close() returns within about its timeout (not after a socket timeout of
+30 s or a delivery timeout of a minute); a send that was not acknowledged by then fails with
+ProducerClosed at once (stored or not: unknown), never left pending; a consumer closed this way
+loses nothing: once the server answers again, a new member of the group gets every message that
+was not committed (at least once), the leases not handed back having run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+import redisq
+import redisq.asyncio as rq
+from redisq.errors import ProducerClosed
+from tests.aio import aio
+from tests.conftest import wait_until
+from tests.servers import ServerProcess, binary_for
+
+pytestmark = pytest.mark.fault
+
+TIMEOUT_S = 0.5
+# close(timeout=0.5) took 5 to 90 s here before it was bounded; the margin is for a loaded host.
+LIMIT_S = 3.0
+TOPIC, DELAYED = "orders", "later"
+FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    server = ServerProcess(binary_for(request.param)).start()
+    yield server
+    server.kill(signal.SIGCONT)
+    server.stop()
+
+
+@pytest.fixture
+def broker(server: ServerProcess) -> Iterator[redisq.Broker]:
+    broker = redisq.connect(server.url, namespace=f"cs{uuid.uuid4().hex[:8]}")
+    broker.create_topic(TOPIC, partitions=2)
+    broker.create_topic(DELAYED, partitions=2)
+    yield broker
+    broker.close()
+
+
+@contextmanager
+def silent(server: ServerProcess) -> Iterator[None]:
+    server.kill(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.kill(signal.SIGCONT)
+
+
+def check_closed_in_time(started: float) -> None:
+    elapsed = time.monotonic() - started
+    assert elapsed < LIMIT_S, f"close(timeout={TIMEOUT_S}) took {elapsed:.1f} s"
+
+
+def check_failed_closed(future: Any) -> None:
+    assert future.done(), "a send left pending after close()"
+    assert isinstance(future.exception(), ProducerClosed), future.exception()
+
+
+def delay_of(delayed: bool) -> dict[str, Any]:
+    return {"delay_ms": 200} if delayed else {}
+
+
+# -- producers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_producer_close_on_silent_server(
+    server: ServerProcess, broker: redisq.Broker, delayed: bool
+) -> None:
+    topic = DELAYED if delayed else TOPIC
+    producer = broker.producer(delivery_timeout_ms=60_000)
+    producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    with silent(server):
+        future = producer.send_async(topic, b"late", key=b"k", **delay_of(delayed))
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="unacknowledged"):
+            producer.close(timeout=TIMEOUT_S)
+        check_closed_in_time(started)
+        check_failed_closed(future)
+
+
+def test_producer_close_with_idle_scheduler_on_silent_server(
+    server: ServerProcess, broker: redisq.Broker
+) -> None:
+    """The delayed sends' scheduler hands its leases back at close: bounded too."""
+    producer = broker.producer(delivery_timeout_ms=60_000)
+    producer.send(DELAYED, b"due", key=b"k", timeout=10, delay_ms=100)
+    wait_until(
+        lambda: any(m.value == b"due" for p in (0, 1) for m in broker.read(DELAYED, p)),
+        timeout=20,
+        what="the delayed message delivered",
+    )
+    with silent(server):
+        started = time.monotonic()
+        producer.close(timeout=TIMEOUT_S)
+        check_closed_in_time(started)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+@aio
+async def test_async_producer_close_on_silent_server(
+    server: ServerProcess, broker: redisq.Broker, delayed: bool
+) -> None:
+    topic = DELAYED if delayed else TOPIC
+    client = await rq.connect(server.url, namespace=broker.namespace)
+    producer = client.producer(delivery_timeout_ms=60_000)
+    await producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    with silent(server):
+        future = producer.send_async(topic, b"late", key=b"k", **delay_of(delayed))
+        await asyncio.sleep(0.1)  # on the wire
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="unacknowledged"):
+            await producer.close(timeout=TIMEOUT_S)
+        check_closed_in_time(started)
+        check_failed_closed(future)
+    await client.close()
+
+
+# -- consumers -----------------------------------------------------------------------------------
+
+
+def produce_ten(broker: redisq.Broker) -> set[bytes]:
+    with broker.producer() as producer:
+        for i in range(10):
+            producer.send(TOPIC, b"m%d" % i, key=b"k%d" % i)
+    return {b"m%d" % i for i in range(10)}
+
+
+def drain(broker: redisq.Broker, group: str, mode: str, wanted: set[bytes]) -> set[bytes]:
+    """A new member of the group, after the server answers again: what it handles until every
+    wanted message was handled by it or is committed (it stops at wanted or after 30 s)."""
+    seen: set[bytes] = set()
+    with broker.consumer(TOPIC, group, mode=mode, **FAST) as consumer:
+        deadline = time.monotonic() + 30
+        while not wanted <= seen and time.monotonic() < deadline:
+            messages = consumer.poll(timeout=0.5)
+            seen |= {m.value for m in messages}
+            if messages:
+                consumer.ack(messages)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["orderly", "concurrent"])
+def test_consumer_close_on_silent_server(
+    server: ServerProcess, broker: redisq.Broker, mode: str
+) -> None:
+    sent = produce_ten(broker)
+    consumer = broker.consumer(TOPIC, "g", mode=mode, **FAST)
+    handled: set[bytes] = set()
+    wait_until(lambda: handled.update(m.value for m in consumer.poll(timeout=0.2)) or handled)
+    with silent(server):
+        started = time.monotonic()
+        consumer.close(timeout=TIMEOUT_S)
+        check_closed_in_time(started)
+    # Nothing lost: what the closed member did not commit comes to the next one.
+    assert sent <= handled | drain(broker, "g", mode, sent - handled)
+
+
+@pytest.mark.parametrize("mode", ["orderly", "concurrent"])
+@aio
+async def test_async_consumer_close_on_silent_server(
+    server: ServerProcess, broker: redisq.Broker, mode: str
+) -> None:
+    sent = produce_ten(broker)
+    client = await rq.connect(server.url, namespace=broker.namespace)
+    consumer = client.consumer(TOPIC, "g", mode=mode, **FAST)
+    await consumer.__aenter__()
+    handled: set[bytes] = set()
+    deadline = time.monotonic() + 30
+    while not handled and time.monotonic() < deadline:
+        handled |= {m.value for m in await consumer.poll(timeout=0.2)}
+    assert handled
+    with silent(server):
+        started = time.monotonic()
+        await consumer.close(timeout=TIMEOUT_S)
+        check_closed_in_time(started)
+    wanted = sent - handled
+    assert sent <= handled | await asyncio.to_thread(drain, broker, "g", mode, wanted)
+    await client.close()
