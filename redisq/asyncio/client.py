@@ -8,7 +8,8 @@ automatic retries off (redisq retries itself, with the recovery each call needs)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -76,6 +77,30 @@ async def _open_sentinel(url: str, options: dict[str, Any]) -> Any:
     return client
 
 
+@contextlib.contextmanager
+def closed_mid_write() -> Iterator[None]:
+    """A write on a connection another task closed meanwhile, as the lost connection it is
+    (redis.ConnectionError, which every caller already retries).
+
+    redis.asyncio's RedisCluster disconnects every connection of every node, checked out or not,
+    from whichever task meets its every `reinitialize_steps`-th MOVED (5 by default: dozens in a
+    slot migration) or a CLUSTERDOWN: RedisCluster._execute_command calls self.aclose(), and
+    ClusterNode.disconnect() sets each connection's writer to None (redis-py 8.1,
+    redis/asyncio/cluster.py and Connection.disconnect in redis/asyncio/connection.py). A task
+    that has just found its connection connected in send_packed_command (the command's write,
+    or the handshake of a connection reconnecting) writes through asyncio.wait_for, which on
+    Python 3.11 runs the write in a new task one loop iteration later; the writer is gone by
+    then and redis-py lets AttributeError("'NoneType' object has no attribute 'writelines'")
+    out. The write itself failed, so the command did not run on that connection. Only that
+    exact error is converted; any other AttributeError is a bug and stays one."""
+    try:
+        yield
+    except AttributeError as exc:
+        if exc.name != "writelines" or exc.obj is not None:
+            raise
+        raise redis.ConnectionError("connection closed by another task before the write") from exc
+
+
 async def resolve_url(url: str | None) -> tuple[str, bool]:
     """(url, embedded?): starting the embedded server blocks, so it runs in a thread."""
     return await asyncio.to_thread(connection.resolve_url, url)
@@ -99,7 +124,8 @@ class AsyncScripts:
 
     async def load(self, name: str) -> None:
         script = self._scripts[name]
-        sha = await self._client.script_load(script.source)
+        with closed_mid_write():
+            sha = await self._client.script_load(script.source)
         if isinstance(sha, bytes):
             sha = sha.decode()
         if sha != script.sha:  # pragma: no cover - would mean a SHA1 mismatch in the server
@@ -111,11 +137,12 @@ class AsyncScripts:
         """EVALSHA; on NOSCRIPT load and run it again; our error replies come back typed."""
         script = self._scripts[name]
         try:
-            try:
-                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                await self.load(name)
-                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+            with closed_mid_write():
+                try:
+                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+                except NoScriptError:
+                    await self.load(name)
+                    return await self._client.evalsha(script.sha, len(keys), *keys, *args)
         except ResponseError as exc:
             mapped = from_reply(str(exc), topic)
             if mapped is None:
@@ -133,7 +160,9 @@ class AsyncScripts:
         if isinstance(steps, ScriptCall):
             return await self.run(steps)
         if isinstance(steps, Command):
-            return steps.decode(await self._client.execute_command(*steps.args))
+            with closed_mid_write():
+                reply = await self._client.execute_command(*steps.args)
+            return steps.decode(reply)
         if not steps:
             return []
         if self._cluster and any(isinstance(step, ScriptCall) for step in steps):
@@ -173,7 +202,8 @@ class AsyncScripts:
                 pipe.evalsha(self._scripts[step.script].sha, len(step.keys), *step.keys, *args)
             else:
                 pipe.execute_command(*step.args)
-        return list(await pipe.execute(raise_on_error=False))
+        with closed_mid_write():
+            return list(await pipe.execute(raise_on_error=False))
 
 
 async def run_operation(operation: Any, scripts: AsyncScripts) -> Any:

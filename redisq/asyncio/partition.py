@@ -14,6 +14,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
+from redisq.asyncio.client import closed_mid_write
 from redisq.deadletter import LETTER_PRODUCER_OPTIONS, letter
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import PartitionOutOfRange, from_reply
@@ -75,8 +76,9 @@ class AsyncPartitionIO:
             conn = await pool.get_connection()
             release = pool.release
         try:
-            await conn.connect()
-            await conn.send_packed_command(packed)
+            with closed_mid_write():  # the cluster client may close this connection meanwhile
+                await conn.connect()
+                await conn.send_packed_command(packed)
             replies = []
             for _ in commands:
                 try:
