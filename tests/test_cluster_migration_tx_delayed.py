@@ -171,15 +171,7 @@ def check_transactions(broker: redisq.Broker, runs: list[TxRun]) -> None:  # noq
     assert not errors, f"{len(errors)} commit()/abort() failures, e.g. {errors[:3]}"
 
 
-# Known, not fixed yet: under a migration, redis-py's asyncio cluster client can write on a
-# connection another task just disconnected and raise AttributeError ('NoneType' object has no
-# attribute 'writelines') out of commit(); seen once in a -n 4 run. Not retried by redisq yet.
-_ASYNC_RACE = pytest.mark.xfail(
-    reason="redis-py asyncio cluster: AttributeError on a connection closed mid-write", strict=False
-)
-
-
-@pytest.fixture(params=["sync", pytest.param("async", marks=_ASYNC_RACE)])
+@pytest.fixture(params=["sync", "async"])
 def driver(request: pytest.FixtureRequest, broker: redisq.Broker) -> Iterator[Any]:  # noqa: F811
     url = broker.client.get_default_node().name
     d = DRIVERS[request.param](f"redis://{url}", broker.namespace)
