@@ -17,7 +17,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, TypeVar, Unpack, cast
 
@@ -44,7 +44,7 @@ from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
 from redisq.transactional import LocalFn, Transaction, Transactions
 from redisq.transactions import TransactionResult
-from redisq.transport import Halted, Transport
+from redisq.transport import Halted, Transport, call_expiring
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle as Broker
@@ -180,12 +180,11 @@ class Producer:
         while the server cannot be reached (the sender keeps trying, sending nothing else)."""
         with self._cond:
             abandoned = sorted(self._core.abandoned)
+        operation = identity_ops.renew_identity(
+            self._keys, self.identity, abandoned, fence=self.idempotence is not None
+        )
         try:
-            identity = self._run_operation(
-                identity_ops.renew_identity(
-                    self._keys, self.identity, abandoned, fence=self.idempotence is not None
-                )
-            )
+            identity = self._call(lambda: self._run_operation(operation))
         except _NETWORK_ERRORS as exc:
             log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
             with self._cond:
@@ -208,13 +207,29 @@ class Producer:
         )
         return True
 
+    def _call(self, call: Callable[[], T]) -> T:
+        """call() from the sender thread, which meanwhile fails batches past their delivery
+        timeout (transport.call_expiring)."""
+        return call_expiring(call, self._expire_waiting, self._transport)
+
+    def _expire_waiting(self) -> None:
+        """While nothing can be sent (an epoch or a fence pending): batches whose linger ran out
+        are sealed, so that they fail at their delivery timeout too."""
+        now = time.monotonic()
+        with self._cond:
+            self._core.seal_due(now)
+            self._core.expire(now)
+            self._cond.notify_all()
+        self._callbacks.run()
+
     def _fence_partitions(self) -> bool:
         """UNKNOWN_PRODUCER: prove the epoch against the name's registration, then store it on
         the partitions, before anything is sent there again."""
         with self._cond:
             needed = sorted(self._core.fences_needed)
+        operation = identity_ops.prove_and_fence(self._keys, self.identity, needed)
         try:
-            self._run_operation(identity_ops.prove_and_fence(self._keys, self.identity, needed))
+            self._call(lambda: self._run_operation(operation))
         except _NETWORK_ERRORS as exc:
             log.warning("cannot fence yet: %s", type(exc).__name__)
             return False
@@ -470,9 +485,7 @@ class Producer:
                         else self._fence_partitions()
                     )
                     if not renewed and core.fatal is None:
-                        with self._cond:
-                            core.expire(time.monotonic())
-                            self._cond.notify_all()
+                        self._expire_waiting()
                         time.sleep(backoff * (0.5 + random.random()))
                         backoff = min(backoff * 2, 1.0)
                     continue
@@ -534,6 +547,8 @@ class Producer:
                         outstanding.clear()
                         core.fail_unknown(errors.RedisqError(f"sender failed: {exc!r}"), None)
                         self._cond.notify_all()
+        except Halted:  # close() ran out of time while a call waited for the server
+            pass
         finally:
             transport.close()
             self._callbacks.run()
@@ -541,8 +556,8 @@ class Producer:
     def _reload_scripts(self) -> None:
         """NOSCRIPT (a restarted or flushed server): load the produce scripts again."""
         try:
-            self._scripts.load(script_for(self.settings))
-            self._scripts.load("fence_producer")
+            self._call(lambda: self._scripts.load(script_for(self.settings)))
+            self._call(lambda: self._scripts.load("fence_producer"))
             self._core.reload_scripts = False
         except _NETWORK_ERRORS as exc:
             log.warning("cannot load scripts yet: %s", type(exc).__name__)

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from redisq.scripts import Scripts
 
 log = logging.getLogger("redisq.transport")
+T = TypeVar("T")
 
 
 # redis-py maps these error codes to exception classes and strips the code from the message.
@@ -88,6 +89,33 @@ class Redirect(Exception):
         self.node = node
 
 
+def call_expiring(call: Callable[[], T], expire: Callable[[], None], transport: Transport) -> T:
+    """call() (a round trip on the shared client: fencing, a new epoch, loading scripts) in a
+    thread of its own while this one runs expire() every 50 ms: a call blocked on a silent server
+    (up to the client's socket timeout, 30 s) holds back no batch's delivery timeout. Returns or
+    raises what call() did; Halted once transport.halt() was called (the call ends by itself)."""
+    done = threading.Event()
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="redisq-call", daemon=True).start()
+    while not done.wait(_HALT_POLL_S):
+        expire()
+        if transport.halted:
+            raise Halted("halted while waiting for the server")
+    ok, value = outcome[0]
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
 class Transport:
     """Dedicated connections (one per node) on which whole rounds of commands are written."""
 
@@ -105,6 +133,10 @@ class Transport:
         """From any thread: a read waiting for a reply raises Halted (within 50 ms), and so does
         every later one."""
         self._halted.set()
+
+    @property
+    def halted(self) -> bool:
+        return self._halted.is_set()
 
     def node_for(self, key: str) -> str:
         """The node that serves key (standalone: the one server)."""

@@ -243,6 +243,20 @@ async def stop_task(task: asyncio.Task[Any], grace_s: float, halt: Callable[[], 
     return False
 
 
+async def await_expiring(call: Awaitable[T], expire: Callable[[], None]) -> T:
+    """call (a round trip on the shared client: fencing, a new epoch, loading scripts) while
+    expire() runs every 50 ms: a call blocked on a silent server (up to the client's socket
+    timeout, 30 s) holds back no batch's delivery timeout (redisq.transport.call_expiring)."""
+    task = asyncio.ensure_future(call)
+    try:
+        while not (await asyncio.wait({task}, timeout=0.05))[0]:
+            expire()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.result()
+
+
 async def wait_acknowledged(future: asyncio.Future[T], timeout: float | None) -> T:
     """A send's acknowledgement, waited for at most timeout seconds (a checked one, or None):
     TimeoutError as redisq.SendFuture.result raises it; the message is not given up."""

@@ -28,7 +28,13 @@ import redis
 from redisq import errors, metrics
 from redisq import identity as identity_ops
 from redisq.accumulator import Batch, CoreSettings, ProducerCore
-from redisq.asyncio.client import settle_futures, single_flight, stop_task, wait_acknowledged
+from redisq.asyncio.client import (
+    await_expiring,
+    settle_futures,
+    single_flight,
+    stop_task,
+    wait_acknowledged,
+)
 from redisq.asyncio.delayed_sender import DelayedSender
 from redisq.asyncio.transactional import Transaction, Transactions
 from redisq.asyncio.transport import AsyncTransport
@@ -448,8 +454,7 @@ class Producer:
                         self._renew_identity() if core.needs_new_identity else self._fence()
                     )
                     if not done and core.fatal is None:
-                        core.expire(time.monotonic())
-                        self._progress.set()
+                        self._expire_waiting()
                         await asyncio.sleep(backoff * (0.5 + random.random()))
                         backoff = min(backoff * 2, 1.0)
                     continue
@@ -538,16 +543,27 @@ class Producer:
         self._topics.pop(topic, None)
         self.broker.forget_topic(topic)
 
+    def _expire_waiting(self) -> None:
+        """While nothing can be sent (an epoch or a fence pending): batches whose linger ran out
+        are sealed, so that they fail at their delivery timeout too."""
+        now = time.monotonic()
+        self._core.seal_due(now)
+        self._core.expire(now)
+        self._progress.set()
+
     async def _renew_identity(self) -> bool:
         abandoned = sorted(self._core.abandoned)
         try:
-            identity = await self.broker.run(
-                identity_ops.renew_identity(
-                    self._keys,
-                    self._identity(),
-                    abandoned,
-                    fence=self.settings.idempotence is not None,
-                )
+            identity = await await_expiring(
+                self.broker.run(
+                    identity_ops.renew_identity(
+                        self._keys,
+                        self._identity(),
+                        abandoned,
+                        fence=self.settings.idempotence is not None,
+                    )
+                ),
+                self._expire_waiting,
             )
         except _NETWORK_ERRORS as exc:
             log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
@@ -569,8 +585,9 @@ class Producer:
     async def _fence(self) -> bool:
         needed = sorted(self._core.fences_needed)
         try:
-            await self.broker.run(
-                identity_ops.prove_and_fence(self._keys, self._identity(), needed)
+            await await_expiring(
+                self.broker.run(identity_ops.prove_and_fence(self._keys, self._identity(), needed)),
+                self._expire_waiting,
             )
         except _NETWORK_ERRORS as exc:
             log.warning("cannot fence yet: %s", type(exc).__name__)
@@ -584,8 +601,8 @@ class Producer:
 
     async def _reload_scripts(self) -> None:
         try:
-            await self.broker.scripts.load(script_for(self.settings))
-            await self.broker.scripts.load("fence_producer")
+            for name in (script_for(self.settings), "fence_producer"):
+                await await_expiring(self.broker.scripts.load(name), self._expire_waiting)
             self._core.reload_scripts = False
         except _NETWORK_ERRORS as exc:
             log.warning("cannot load scripts yet: %s", type(exc).__name__)

@@ -1,7 +1,12 @@
-"""close(timeout=...) against a server that stops answering (SIGSTOP), thread and asyncio APIs,
-Valkey and Redis, servers of the test's own.
+"""A server that stops answering (SIGSTOP), thread and asyncio APIs, Valkey and Redis, servers
+of the test's own: sends keep their delivery timeout, and close(timeout=...) its timeout.
 
-What a user checks: close() returns within about its timeout (not after a socket timeout of
+After a send fails with DeliveryTimeout the producer takes a new epoch and fences it before it
+sends again; while the server is silent that round trip waits for the client's socket timeout
+(30 s), and the sends made meanwhile must still fail at their own delivery timeout, not stay
+pending until the server answers.
+
+What a user checks of close(): it returns within about its timeout (not after a socket timeout of
 30 s or a delivery timeout of a minute); a send that was not acknowledged by then fails with
 ProducerClosed at once (stored or not: unknown), never left pending; a consumer closed this way
 loses nothing: once the server answers again, a new member of the group gets every message that
@@ -22,7 +27,7 @@ import pytest
 
 import redisq
 import redisq.asyncio as rq
-from redisq.errors import ProducerClosed
+from redisq.errors import DeliveryTimeout, ProducerClosed
 from tests.aio import aio
 from tests.conftest import wait_until
 from tests.servers import ServerProcess, binary_for
@@ -76,7 +81,63 @@ def delay_of(delayed: bool) -> dict[str, Any]:
     return {"delay_ms": 200} if delayed else {}
 
 
-# -- producers -----------------------------------------------------------------------------------
+# -- delivery timeouts ---------------------------------------------------------------------------
+
+DELIVERY_TIMEOUT_MS = 1500
+# A send fails at its delivery timeout, not after the socket timeout (30 s); margin for load.
+DELIVERY_LIMIT_S = 6.0
+
+
+def check_delivery_timeout(error: BaseException | None, elapsed: float) -> None:
+    assert isinstance(error, DeliveryTimeout), f"{error!r} after {elapsed:.1f} s"
+    assert DELIVERY_TIMEOUT_MS / 1000 * 0.9 <= elapsed < DELIVERY_LIMIT_S, f"after {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_sends_after_a_delivery_timeout_fail_in_time(
+    server: ServerProcess, broker: redisq.Broker, delayed: bool
+) -> None:
+    topic = DELAYED if delayed else TOPIC
+    producer = broker.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
+    producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    with silent(server):
+        for i in range(3):  # the first fails; a new epoch is pending for the others
+            started = time.monotonic()
+            future = producer.send_async(topic, b"x%d" % i, key=b"k", **delay_of(delayed))
+            try:
+                future.result(timeout=DELIVERY_LIMIT_S)
+                error = None
+            except Exception as exc:
+                error = exc
+            check_delivery_timeout(error, time.monotonic() - started)
+    after = producer.send(topic, b"after", key=b"k", timeout=30, **delay_of(delayed))
+    assert not after.duplicate
+    producer.close(timeout=10)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+@aio
+async def test_async_sends_after_a_delivery_timeout_fail_in_time(
+    server: ServerProcess, broker: redisq.Broker, delayed: bool
+) -> None:
+    topic = DELAYED if delayed else TOPIC
+    client = await rq.connect(server.url, namespace=broker.namespace)
+    producer = client.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
+    await producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    with silent(server):
+        for i in range(3):
+            started = time.monotonic()
+            future = producer.send_async(topic, b"x%d" % i, key=b"k", **delay_of(delayed))
+            done, _ = await asyncio.wait({future}, timeout=DELIVERY_LIMIT_S)
+            error = future.exception() if done else None
+            check_delivery_timeout(error, time.monotonic() - started)
+    after = await producer.send(topic, b"after", key=b"k", timeout=30, **delay_of(delayed))
+    assert not after.duplicate
+    await producer.close(timeout=10)
+    await client.close()
+
+
+# -- producers: close ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
