@@ -435,6 +435,21 @@ class ProducerCore:
         )
         return True
 
+    def expire_waiting(self, now: float) -> None:
+        """While nothing can be sent (a new epoch or a fence pending): batches whose linger ran
+        out are sealed, so that they fail at their delivery timeout too."""
+        self.seal_due(now)
+        self.expire(now)
+
+    def identity_failed(self, error: BaseException, network: bool) -> None:
+        """A new epoch or a fence could not be stored: a network error is kept for the message
+        of a DeliveryTimeout (the driver tries again); any other (ProducerFenced: a newer
+        instance has the name) fails everything."""
+        if network:
+            self.last_error = error
+        else:
+            self.fail_all(error, fatal=True)
+
     # -- failing ---------------------------------------------------------------------------------
     def fail_unknown(self, error: BaseException, now: float | None) -> None:
         """Fail every batch whose outcome is unknown (written at least once without an answer,

@@ -185,27 +185,26 @@ class Producer:
         )
         try:
             identity = self._call(lambda: self._run_operation(operation))
-        except _NETWORK_ERRORS as exc:
-            log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
-            with self._cond:
-                self._core.last_error = exc
-            return False
-        except Exception as exc:  # ProducerFenced: a newer instance took the name
-            with self._cond:
-                self._core.fail_all(exc, fatal=True)
-                self._cond.notify_all()
-            return False
+        except Exception as exc:
+            return self._identity_failed(exc, "take a new epoch")
         with self._cond:
             self.identity = identity
             self._core.identity_renewed()
             self._cond.notify_all()
         log.warning(
             "producer %s: new epoch %d after failed batches (fenced %d partitions)",
-            self.name or self.producer_id,
-            identity.epoch,
-            len(abandoned),
-        )
+            self.name or self.producer_id, identity.epoch, len(abandoned),
+        )  # fmt: skip
         return True
+
+    def _identity_failed(self, exc: Exception, what: str) -> bool:
+        network = isinstance(exc, _NETWORK_ERRORS)  # else ProducerFenced: a newer instance
+        if network:
+            log.warning("cannot %s yet: %s", what, type(exc).__name__)
+        with self._cond:
+            self._core.identity_failed(exc, network)
+            self._cond.notify_all()
+        return False
 
     def _call(self, call: Callable[[], T]) -> T:
         """call() from the sender thread, which meanwhile fails batches past their delivery
@@ -213,12 +212,8 @@ class Producer:
         return call_expiring(call, self._expire_waiting, self._transport)
 
     def _expire_waiting(self) -> None:
-        """While nothing can be sent (an epoch or a fence pending): batches whose linger ran out
-        are sealed, so that they fail at their delivery timeout too."""
-        now = time.monotonic()
         with self._cond:
-            self._core.seal_due(now)
-            self._core.expire(now)
+            self._core.expire_waiting(time.monotonic())
             self._cond.notify_all()
         self._callbacks.run()
 
@@ -230,14 +225,8 @@ class Producer:
         operation = identity_ops.prove_and_fence(self._keys, self.identity, needed)
         try:
             self._call(lambda: self._run_operation(operation))
-        except _NETWORK_ERRORS as exc:
-            log.warning("cannot fence yet: %s", type(exc).__name__)
-            return False
-        except Exception as exc:  # ProducerFenced: a newer instance has the name
-            with self._cond:
-                self._core.fail_all(exc, fatal=True)
-                self._cond.notify_all()
-            return False
+        except Exception as exc:
+            return self._identity_failed(exc, "fence")
         with self._cond:
             for key in needed:
                 self._core.partition_fenced(key)

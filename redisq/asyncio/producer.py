@@ -544,11 +544,7 @@ class Producer:
         self.broker.forget_topic(topic)
 
     def _expire_waiting(self) -> None:
-        """While nothing can be sent (an epoch or a fence pending): batches whose linger ran out
-        are sealed, so that they fail at their delivery timeout too."""
-        now = time.monotonic()
-        self._core.seal_due(now)
-        self._core.expire(now)
+        self._core.expire_waiting(time.monotonic())
         self._progress.set()
 
     async def _renew_identity(self) -> bool:
@@ -565,22 +561,22 @@ class Producer:
                 ),
                 self._expire_waiting,
             )
-        except _NETWORK_ERRORS as exc:
-            log.warning("cannot take a new epoch yet: %s", type(exc).__name__)
-            self._core.last_error = exc
-            return False
-        except Exception as exc:  # ProducerFenced: a newer instance took the name
-            self._core.fail_all(exc, fatal=True)
-            return False
+        except Exception as exc:
+            return self._identity_failed(exc, "take a new epoch")
         self.identity = identity
         self._core.identity_renewed()
         log.warning(
             "producer %s: new epoch %d after failed batches (fenced %d partitions)",
-            self.name or identity.producer_id,
-            identity.epoch,
-            len(abandoned),
-        )
+            self.name or identity.producer_id, identity.epoch, len(abandoned),
+        )  # fmt: skip
         return True
+
+    def _identity_failed(self, exc: Exception, what: str) -> bool:
+        network = isinstance(exc, _NETWORK_ERRORS)  # else ProducerFenced: a newer instance
+        if network:
+            log.warning("cannot %s yet: %s", what, type(exc).__name__)
+        self._core.identity_failed(exc, network)
+        return False
 
     async def _fence(self) -> bool:
         needed = sorted(self._core.fences_needed)
@@ -589,12 +585,8 @@ class Producer:
                 self.broker.run(identity_ops.prove_and_fence(self._keys, self._identity(), needed)),
                 self._expire_waiting,
             )
-        except _NETWORK_ERRORS as exc:
-            log.warning("cannot fence yet: %s", type(exc).__name__)
-            return False
         except Exception as exc:
-            self._core.fail_all(exc, fatal=True)
-            return False
+            return self._identity_failed(exc, "fence")
         for key in needed:
             self._core.partition_fenced(key)
         return True
