@@ -1,0 +1,226 @@
+# ruff: noqa: F811  (the broker and cluster3 fixtures are imported from tests.test_cluster)
+"""A consumer's own reads while its partition's slot is half migrated, on three masters (Valkey
+and Redis, the `cluster3` fixture).
+
+The consumer reads a partition's keys on a connection of the slot's node (partition.PartitionIO
+and its asyncio twin), not through redis-py's cluster client, so a read there meets the
+migration's error replies itself: ASK while the slot is MIGRATING and the key already moved,
+MOVED once it is handed over. An error reply is not data: a message policy `block` holds the
+partition on must not be passed over as "deleted" because the read that looked for it was
+answered ASK (it is the next message to handle, and it was never handled), and held messages
+of a released key must come back, in key order, whatever reply their read met.
+
+The slot is moved by hand here, one stage held as long as the test needs it: MIGRATING with the
+stream alone on the target ("split": the partition's other keys still on the source), or every
+key on the target before SETSLOT NODE ("moved").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+import redisq
+import redisq.asyncio as rq
+from redisq.group_admin import describe_group
+from tests.aio import aio
+from tests.servers import ServerProcess
+from tests.test_cluster import broker, cluster3, node_id, owner_of  # noqa: F401
+
+pytestmark = [pytest.mark.cluster, pytest.mark.fault]
+
+TOPIC = "blocking"
+GROUP = "billing"
+COUNT = 10
+POISON = 3  # the message the handler fails on until it is healed
+
+
+@contextmanager
+def slot_held_mid_migration(
+    broker: redisq.Broker, nodes: list[ServerProcess], stage: str
+) -> Iterator[None]:
+    """The slot of partition 0 MIGRATING to another master, the stream alone moved ("split")
+    or every key moved ("moved"), for the body of the with; the slot is handed over after it."""
+    stream = broker.keys.log(TOPIC, 0)
+    slot = broker.client.keyslot(stream)
+    source = owner_of(nodes, slot)
+    target = next(n for n in nodes if n is not source)
+    source_id, target_id = node_id(source), node_id(target)
+    with source.client() as src, target.client() as dst:
+
+        def migrate(keys: list[bytes | str]) -> None:
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 10_000, "KEYS", *keys)
+
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        if stage == "split":
+            migrate([stream])
+        else:
+            migrate(src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000))
+        try:
+            yield
+        finally:
+            rest = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            if rest:
+                migrate(rest)
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    for node in nodes:
+        if node not in (source, target):
+            with node.client() as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+class Flaky:
+    """A handler failing on message POISON until healed; records every call and each message's
+    first success, in order."""
+
+    def __init__(self) -> None:
+        self.healed = threading.Event()
+        self.calls: list[int] = []
+        self.succeeded: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, message: redisq.Message) -> None:
+        index = int(message.value)
+        with self.lock:
+            self.calls.append(index)
+        if index == POISON and not self.healed.is_set():
+            raise RuntimeError("poison")
+        with self.lock:
+            if index not in self.succeeded:
+                self.succeeded.append(index)
+
+
+OPTIONS = {
+    "failure_policy": "block",
+    "max_attempts": 2,
+    "retry_backoff_ms": 20,
+    "max_retry_backoff_ms": 100,
+    "lease_ttl_ms": 3000,
+}
+
+
+def setup_topic(broker: redisq.Broker) -> list[str]:
+    broker.create_topic(TOPIC, partitions=1)
+    with broker.producer() as producer:
+        metas = [producer.send(TOPIC, b"%d" % i, key=b"k") for i in range(COUNT)]
+    return [meta.offset for meta in metas]
+
+
+def blocked_offset(broker: redisq.Broker) -> str | None:
+    state = broker.client.hgetall(broker.keys.group_partition_state(TOPIC, 0, GROUP))
+    value = state.get(b"blocked_offset")
+    return value.decode() if value else None
+
+
+def group_position(broker: redisq.Broker) -> str | None:
+    for info in broker.client.xinfo_groups(broker.keys.log(TOPIC, 0)):
+        if info["name"] in (GROUP, GROUP.encode()):
+            last = info["last-delivered-id"]
+            return last.decode() if isinstance(last, bytes) else str(last)
+    return None
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def check_outcome(broker: redisq.Broker, handler: Flaky, offsets: list[str]) -> None:
+    """Every message handled, first successes in offset (= key) order, the poison message
+    among them; the group's position at the last offset and no lag."""
+    assert handler.succeeded == list(range(COUNT)), (handler.succeeded, handler.calls)
+    assert group_position(broker) == offsets[-1]
+    description = describe_group(broker, TOPIC, GROUP)
+    assert [p.lag for p in description.partitions] == [0]
+    assert blocked_offset(broker) is None
+
+
+@pytest.mark.parametrize("stage", ["split", "moved"])
+def test_blocked_message_is_not_passed_over_mid_migration(
+    broker: redisq.Broker,
+    cluster3: list[ServerProcess],
+    stage: str,
+) -> None:
+    """Policy block holds the partition on message POISON; while it is retried the slot is
+    caught mid-migration, so the worker's "was it deleted?" read (XRANGE of its offset) is
+    answered ASK. The message stays blocked and is handled once the handler heals."""
+    offsets = setup_topic(broker)
+    handler = Flaky()
+    consumer = broker.consumer(TOPIC, group=GROUP, **OPTIONS)  # type: ignore[arg-type]
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run(handler)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        wait_until(lambda: blocked_offset(broker) == offsets[POISON], 30, "the block")
+        with slot_held_mid_migration(broker, cluster3, stage):
+            calls = len(handler.calls)
+            wait_until(lambda: len(handler.calls) >= calls + 3, 30, "retries mid-migration")
+        handler.healed.set()
+        wait_until(
+            lambda: len(handler.succeeded) == COUNT and group_position(broker) == offsets[-1],
+            30,
+            f"every message handled and committed ({handler.succeeded}, {handler.calls})",
+        )
+    finally:
+        consumer.close()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert not failures, failures
+    check_outcome(broker, handler, offsets)
+
+
+@pytest.mark.parametrize("stage", ["split", "moved"])
+@aio
+async def test_async_blocked_message_is_not_passed_over_mid_migration(
+    broker: redisq.Broker, cluster3: list[ServerProcess], stage: str
+) -> None:
+    """test_blocked_message_is_not_passed_over_mid_migration with the asyncio consumer."""
+    offsets = setup_topic(broker)
+    handler = Flaky()
+
+    async def handle(message: redisq.Message) -> None:
+        handler(message)
+
+    async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+    url = f"redis://127.0.0.1:{cluster3[0].port}"
+    async with await rq.connect(url, namespace=broker.namespace) as client:
+        consumer = client.consumer(TOPIC, group=GROUP, **OPTIONS)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(consumer.run(handle))
+        try:
+            await until(lambda: blocked_offset(broker) == offsets[POISON], 30, "the block")
+            with slot_held_mid_migration(broker, cluster3, stage):
+                calls = len(handler.calls)
+                await until(lambda: len(handler.calls) >= calls + 3, 30, "retries mid-migration")
+            handler.healed.set()
+            await until(
+                lambda: len(handler.succeeded) == COUNT and group_position(broker) == offsets[-1],
+                30,
+                "every message handled and committed",
+            )
+        finally:
+            await consumer.close()
+            await asyncio.wait_for(task, 30)
+        task.result()
+    check_outcome(broker, handler, offsets)
+
