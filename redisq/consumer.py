@@ -440,7 +440,14 @@ class Consumer(Coordinator):
         parked_now = self.io.parked_now(tp)
         with self._lock:
             free = reader.released(parked_now, room)
-        return self.io.fetch_offsets(tp, free) if free else []
+        if not free:
+            return []
+        try:
+            return self.io.fetch_offsets(tp, free)
+        except redis.RedisError:  # they stay held: the next poll reads them before anything
+            with self._lock:
+                reader.next_parked_check = 0.0
+            raise
 
     def _tp(self, partition: int | TopicPartition) -> TopicPartition:
         return topic_partition(self.topics, partition)

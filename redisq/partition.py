@@ -229,11 +229,7 @@ class PartitionIO:
     def fetch_offsets(self, tp: TopicPartition, offsets: list[str]) -> list[Message]:
         """Held messages by offset (one pipelined XRANGE each); a trimmed one is gone."""
         key = self._keys.log(*tp)
-        replies = self._exchange(key, [("XRANGE", key, o, o) for o in offsets])
-        entries = [
-            entry for reply in replies if not isinstance(reply, Exception) for entry in reply
-        ]
-        return decode_entries(tp[0], tp[1], entries)
+        return offset_entries(tp, self._exchange(key, [("XRANGE", key, o, o) for o in offsets]))
 
     def committed(self, tp: TopicPartition) -> str | None:
         """The group's position on a partition of a topic it reads (InvalidConfig for another
@@ -471,3 +467,16 @@ def hashes(replies: list[Any]) -> list[dict[bytes, bytes]]:
             reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
         )
     return result
+
+
+def offset_entries(tp: TopicPartition, replies: list[Any]) -> list[Message]:
+    """The messages of fetch_offsets' XRANGE replies (either driver). An error reply raises:
+    read as "no entry" it made a blocked message look deleted (passed over, never handled)
+    and a released held message look trimmed, when the XRANGE was only answered ASK, MOVED or
+    TRYAGAIN while the partition's slot migrated."""
+    entries = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+        entries.extend(reply)
+    return decode_entries(tp[0], tp[1], entries)

@@ -141,6 +141,12 @@ class Worker(threading.Thread):
                             self._handle_one(reader, message, lane=False)
                     except _Retry:  # a seek while one of them was retried
                         pass
+                    except redis.RedisError as exc:  # they stay held, and go first
+                        log.warning("%s: %s/%d: reading released messages: %s", consumer.name,
+                                    *self.tp, exc)  # fmt: skip
+                        with consumer._lock:
+                            reader.next_parked_check = 0.0
+                        self._sleep_while_owned(0.2)
                     continue
             # Caught up (the last read was not a full batch): commit what was handled, then
             # wait for entries and read them in one round trip, no longer than the lease allows.

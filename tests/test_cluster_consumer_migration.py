@@ -223,4 +223,3 @@ async def test_async_blocked_message_is_not_passed_over_mid_migration(
             await asyncio.wait_for(task, 30)
         task.result()
     check_outcome(broker, handler, offsets)
-

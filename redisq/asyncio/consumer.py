@@ -352,7 +352,13 @@ class Consumer(Coordinator):
         if not reader.parked_check_due(time.monotonic()):
             return []
         free = reader.released(await self.io.parked_now(reader.tp), room)
-        return await self.io.fetch_offsets(reader.tp, free) if free else []
+        if not free:
+            return []
+        try:
+            return await self.io.fetch_offsets(reader.tp, free)
+        except redis.RedisError:  # they stay held: the next poll reads them before anything
+            reader.next_parked_check = 0.0
+            raise
 
     async def _screen(
         self, reader: OrderlyPartition | None, messages: list[Message], moves: int

@@ -24,6 +24,7 @@ from redisq.partition import (
     MalformedLog,
     PartitionIO,
     hashes,
+    offset_entries,
     parked_reads,
 )
 from redisq.protocol import group as calls
@@ -149,9 +150,9 @@ class AsyncPartitionIO:
 
     async def fetch_offsets(self, tp: TopicPartition, offsets: list[str]) -> list[Message]:
         key = self._keys.log(*tp)
-        replies = await self._exchange(key, [("XRANGE", key, o, o) for o in offsets])
-        entries = [e for reply in replies if not isinstance(reply, Exception) for e in reply]
-        return decode_entries(tp[0], tp[1], entries)
+        return offset_entries(
+            tp, await self._exchange(key, [("XRANGE", key, o, o) for o in offsets])
+        )
 
     async def committed(self, tp: TopicPartition) -> str | None:
         """See redisq.partition.PartitionIO.committed."""
