@@ -32,6 +32,7 @@ from redisq.policies import (
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
+from redisq.protocol.redirect import REDIRECT_BUDGET_S, asking_batch, asking_replies, redirection
 from redisq.protocol.resp import pack_commands
 from redisq.records import MalformedMessage, Message, decode_entries, offset_parts
 from redisq.settings import ConsumerSettings
@@ -117,15 +118,44 @@ class PartitionIO:
         self.malformed_log = MalformedLog(member)
 
     # -- a pooled connection on the partition's node ---------------------------------------------
-    def _exchange(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+    def _exchange(
+        self, key: str, commands: list[tuple[Any, ...]], *, follow: bool = True
+    ) -> list[Any]:
         """Send commands in one write on a pooled connection of the node serving `key` and read
-        their raw replies (no response callbacks: entries stay flat lists for decode_entries)."""
-        if self._cluster:
-            pool = self._client.get_redis_connection(
-                self._client.get_node_from_key(key)
-            ).connection_pool
-        else:
-            pool = self._client.connection_pool
+        their raw replies (no response callbacks: entries stay flat lists for decode_entries).
+        On a cluster, a batch that met a redirection (ASK, MOVED, TRYAGAIN, CLUSTERDOWN: it did
+        not run) is sent again as protocol.redirect says, within its budget; follow=False for
+        a batch that may have run in part (commit_then_wait sorts that out itself)."""
+        if not self._cluster:
+            return self._send(self._client.connection_pool, commands)
+        client = self._client
+        node = client.get_node_from_key(key)
+        batch, asked, attempt = commands, False, 0
+        deadline = time.monotonic() + REDIRECT_BUDGET_S
+        while True:
+            replies = self._send(client.get_redis_connection(node).connection_pool, batch)
+            if asked:
+                replies = asking_replies(commands, replies)
+            found = redirection(replies) if follow else None
+            if found is None or time.monotonic() >= deadline:
+                return replies
+            attempt += 1
+            time.sleep(found.delay(attempt))
+            if found.kind == "MOVED":  # handed over: the slot map is refreshed
+                client.nodes_manager.initialize()
+                node, batch, asked = client.get_node_from_key(key), commands, False
+            elif found.kind == "ASK":
+                named = client.get_node(host=found.host, port=found.port)
+                if named is None:  # a node the client does not know yet
+                    client.nodes_manager.initialize()
+                    named = client.get_node(host=found.host, port=found.port)
+                    if named is None:
+                        return replies
+                node, batch, asked = named, asking_batch(commands), True
+
+    @staticmethod
+    def _send(pool: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """One write of commands on a connection of pool; their raw replies, errors in place."""
         packed = [pack_commands(commands)]
         conn = pool.get_connection()
         try:
@@ -178,7 +208,12 @@ class PartitionIO:
             count,
             block_ms,
         )
-        replies = self._exchange(commands[-1][1], commands)
+        key = commands[-1][1]
+        replies = self._exchange(key, commands, follow=False)
+        if redirection(replies[:1]):  # the commit did not run: alone again, following
+            replies[:1] = self._exchange(key, commands[:1])
+        if redirection(replies[1:]):  # nor did the read (after a commit that may have run)
+            replies[1:] = self._exchange(key, commands[1:])
         committed = replies.pop(0)
         if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
             return self.commit(lease, commit), replies
@@ -201,6 +236,8 @@ class PartitionIO:
         (a stream replaced by another type, an ID Redis refuses) raises RedisqError naming the
         partition: it is not a read of no entries."""
         error = calls.read_error(replies)
+        if redirection([error]):  # a slot migrating: the worker reads again (a warning)
+            raise error  # type: ignore[misc]
         if error is not None:
             raise RedisqError(
                 f"reading {lease.topic}/{lease.partition} failed: {type(error).__name__}: {error}"
@@ -213,7 +250,15 @@ class PartitionIO:
     def commit(self, lease: Lease, commit: Commit) -> bool:
         """commit_position.lua: False when Redis had applied a later-numbered write of the
         lease first (a transaction's hold), so nothing of this commit was."""
-        return self._scripts.run(calls.commit_position(self._keys, lease, commit)) == 1
+        call = calls.commit_position(self._keys, lease, commit)
+        if self._cluster:  # on the partition's node, redirections followed (_exchange)
+            sha = self._scripts[call.script].sha
+            reply = self._exchange(call.keys[0], [calls.script_command(sha, call)])[0]
+            if not isinstance(reply, NoScriptError):  # else: loaded and run by scripts.run
+                if isinstance(reply, Exception):
+                    raise from_reply(str(reply), lease.topic) or reply
+                return bool(reply == 1)
+        return self._scripts.run(call) == 1
 
     def load_parked(self, reader: OrderlyPartition) -> None:
         """The group's parked keys and the messages held behind them, whatever this member's

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.exceptions import AskError, ClusterError, TryAgainError
 
 from redisq.errors import LeaseLost, TopicNotFound
 from redisq.keys import KeySpace
@@ -38,6 +39,10 @@ from redisq.transport import Transport
 
 if TYPE_CHECKING:
     from redisq.handle import BrokerHandle
+
+# A partition whose slot migrates: its script is refused (ASK, TRYAGAIN; redis-py gives up with
+# ClusterError "TTL exhausted" while keys are split) until the slot is handed over.
+_SLOT_MOVING = (AskError, TryAgainError, ClusterError)
 
 log = logging.getLogger("redisq.scheduler")
 
@@ -182,6 +187,10 @@ class SchedulerCore:
                 state.held = False
                 state.next_call = now + ACQUIRE_INTERVAL_MS / 1000
                 self._read_at[state.topic] = float("-inf")  # read the metadata again
+            elif isinstance(result, _SLOT_MOVING):  # did not run; again after a backoff
+                self._failed(state, now)
+                log.info("deliver_due on %s/%d: slot moving or down (%r)", state.topic,
+                         state.partition, result)  # fmt: skip
             else:
                 self._failed(state, now)
                 log.warning("deliver_due on %s/%d: %r", state.topic, state.partition, result)

@@ -24,13 +24,16 @@ from redisq.ownership import TopicPartition
 from redisq.policies import CallHandler, DeadLetter, GaveUp, MarkBlocked, handle_under_policy
 from redisq.protocol.group import Commit, Lease
 from redisq.records import DECODE_CHUNK, MalformedMessage, Message, decode_lazily
+from redisq.transactions import RETRIABLE_ERRORS
 
 if TYPE_CHECKING:
     from redisq.coordinator import Coordinator
 
 log = logging.getLogger("redisq.consumer")
 
-_NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# Connection errors and a cluster's redirections the reads met after following them for a while
+# (a slot migrating): the partition is read or committed again later, and kept.
+_NETWORK_ERRORS = RETRIABLE_ERRORS
 
 
 class _Stop(Exception):

@@ -18,6 +18,7 @@ key on the target before SETSLOT NODE ("moved").
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,17 @@ import redisq.asyncio as rq
 from redisq.group_admin import describe_group
 from tests.aio import aio
 from tests.servers import ServerProcess
-from tests.test_cluster import broker, cluster3, node_id, owner_of  # noqa: F401
+from tests.test_cluster import (  # noqa: F401
+    PARTITIONS,
+    KeyOrder,
+    broker,
+    cluster3,
+    migrate_slot,
+    node_id,
+    owner_of,
+    produce_keyed,
+)
+from tests.test_cluster import TOPIC as KEYED_TOPIC
 
 pytestmark = [pytest.mark.cluster, pytest.mark.fault]
 
@@ -223,3 +234,84 @@ async def test_async_blocked_message_is_not_passed_over_mid_migration(
             await asyncio.wait_for(task, 30)
         task.result()
     check_outcome(broker, handler, offsets)
+
+
+# -- a whole migration under one member: no failure, no hand-over, nothing redelivered -----------
+
+MIGRATED = 5
+
+
+def migration_noise(records: list[logging.LogRecord]) -> list[str]:
+    """What a member logged at WARNING or above (the handler never fails here)."""
+    return [
+        f"{r.levelname} {r.name}: {r.getMessage()}" for r in records if r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize("mode", ["orderly", "concurrent"])
+def test_one_member_rides_out_a_slot_migration(
+    broker: redisq.Broker,
+    cluster3: list[ServerProcess],
+    mode: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A single member (nothing to rebalance) consumes while the slot of one partition migrates
+    with redisq's reads on that node meeting ASK, TRYAGAIN and MOVED: it follows them, so the
+    migration makes no worker fail, no lease move and no message come twice; it logs nothing
+    at WARNING or above."""
+    caplog.set_level(logging.WARNING, logger="redisq")
+    broker.create_topic(KEYED_TOPIC, partitions=PARTITIONS)
+    sent = produce_keyed(broker, 6000, keys=300)
+    slot = broker.client.keyslot(broker.keys.log(KEYED_TOPIC, MIGRATED))
+    handler = KeyOrder(sleep_every=20)
+    consumer = broker.consumer(KEYED_TOPIC, group="billing", mode=mode, batch_size=50)
+    thread = threading.Thread(target=consumer.run, args=(handler,), kwargs={"idle_timeout": 4.0})
+    thread.start()
+    wait_until(lambda: handler.count >= 800, 60, "consumption to start")
+    assert handler.count < len(sent), "consumed everything before the migration"
+    source, _, moved = migrate_slot(cluster3, slot)
+    thread.join(timeout=180)
+    assert not thread.is_alive()
+    assert moved >= 1
+    redelivered = handler.check(sent)  # every message; first deliveries in key order
+    assert redelivered == 0
+    assert not migration_noise(caplog.records), migration_noise(caplog.records)
+    with source.client() as src:
+        assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+
+
+@pytest.mark.parametrize("mode", ["orderly", "concurrent"])
+@aio
+async def test_async_one_member_rides_out_a_slot_migration(
+    broker: redisq.Broker,
+    cluster3: list[ServerProcess],
+    mode: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """test_one_member_rides_out_a_slot_migration with the asyncio consumer."""
+    caplog.set_level(logging.WARNING, logger="redisq")
+    broker.create_topic(KEYED_TOPIC, partitions=PARTITIONS)
+    sent = produce_keyed(broker, 6000, keys=300)
+    slot = broker.client.keyslot(broker.keys.log(KEYED_TOPIC, MIGRATED))
+    handler = KeyOrder(sleep_every=20)
+
+    async def handle(message: redisq.Message) -> None:
+        handler(message)
+
+    url = f"redis://127.0.0.1:{cluster3[0].port}"
+    async with await rq.connect(url, namespace=broker.namespace) as client:
+        consumer = client.consumer(KEYED_TOPIC, group="billing", mode=mode, batch_size=50)
+        task = asyncio.ensure_future(consumer.run(handle, idle_timeout=4.0))
+        deadline = time.monotonic() + 60
+        while handler.count < 800 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert 800 <= handler.count < len(sent), "migration not mid-stream"
+        source, _, moved = await asyncio.to_thread(migrate_slot, cluster3, slot)
+        await asyncio.wait_for(task, 180)
+        task.result()
+    assert moved >= 1
+    redelivered = handler.check(sent)
+    assert redelivered == 0
+    assert not migration_noise(caplog.records), migration_noise(caplog.records)
+    with source.client() as src:
+        assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0

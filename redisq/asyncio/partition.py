@@ -5,6 +5,7 @@ for concurrent mode, the dead-letter copy.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -29,6 +30,7 @@ from redisq.partition import (
 )
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
+from redisq.protocol.redirect import REDIRECT_BUDGET_S, asking_batch, asking_replies, redirection
 from redisq.protocol.resp import pack_commands
 from redisq.records import MalformedMessage, Message, decode_entries
 from redisq.settings import ConsumerSettings
@@ -65,17 +67,43 @@ class AsyncPartitionIO:
         self._last_claim: dict[TopicPartition, float] = {}
         self.malformed_log = MalformedLog(member)
 
-    async def _exchange(self, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Commands in one write on a pooled connection of the node serving `key`, raw replies."""
-        packed = [pack_commands(commands)]
-        if self._cluster:
-            node = self._client.get_node_from_key(key)
-            conn = node.acquire_connection()
-            release = node.release
-        else:
+    async def _exchange(
+        self, key: str, commands: list[tuple[Any, ...]], *, follow: bool = True
+    ) -> list[Any]:
+        """Commands in one write on a pooled connection of the node serving `key`, raw replies;
+        on a cluster, redirections followed as redisq.partition.PartitionIO._exchange does."""
+        if not self._cluster:
             pool = self._client.connection_pool
-            conn = await pool.get_connection()
-            release = pool.release
+            return await self._send(await pool.get_connection(), pool.release, commands)
+        client = self._client
+        node = client.get_node_from_key(key)
+        batch, asked, attempt = commands, False, 0
+        deadline = time.monotonic() + REDIRECT_BUDGET_S
+        while True:
+            replies = await self._send(node.acquire_connection(), node.release, batch)
+            if asked:
+                replies = asking_replies(commands, replies)
+            found = redirection(replies) if follow else None
+            if found is None or time.monotonic() >= deadline:
+                return replies
+            attempt += 1
+            await asyncio.sleep(found.delay(attempt))
+            if found.kind == "MOVED":  # handed over: the slot map is refreshed
+                await client.nodes_manager.initialize()
+                node, batch, asked = client.get_node_from_key(key), commands, False
+            elif found.kind == "ASK":
+                named = client.get_node(host=found.host, port=found.port)
+                if named is None:  # a node the client does not know yet
+                    await client.nodes_manager.initialize()
+                    named = client.get_node(host=found.host, port=found.port)
+                    if named is None:
+                        return replies
+                node, batch, asked = named, asking_batch(commands), True
+
+    @staticmethod
+    async def _send(conn: Any, release: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """One write of commands on conn (then given back with release); raw replies."""
+        packed = [pack_commands(commands)]
         try:
             with closed_mid_write():  # the cluster client may close this connection meanwhile
                 await conn.connect()
@@ -126,7 +154,12 @@ class AsyncPartitionIO:
             count,
             block_ms,
         )
-        replies = await self._exchange(commands[-1][1], commands)
+        key = commands[-1][1]
+        replies = await self._exchange(key, commands, follow=False)
+        if redirection(replies[:1]):  # see PartitionIO.commit_then_wait
+            replies[:1] = await self._exchange(key, commands[:1])
+        if redirection(replies[1:]):
+            replies[1:] = await self._exchange(key, commands[1:])
         committed = replies.pop(0)
         if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
             return await self.commit(lease, commit), replies
@@ -136,7 +169,15 @@ class AsyncPartitionIO:
 
     async def commit(self, lease: Lease, commit: Commit) -> bool:
         """See redisq.partition.PartitionIO.commit."""
-        return await self.broker.scripts.run(calls.commit_position(self._keys, lease, commit)) == 1
+        call = calls.commit_position(self._keys, lease, commit)
+        if self._cluster:
+            sha = self.broker.scripts[call.script].sha
+            reply = (await self._exchange(call.keys[0], [calls.script_command(sha, call)]))[0]
+            if not isinstance(reply, NoScriptError):
+                if isinstance(reply, Exception):
+                    raise from_reply(str(reply), lease.topic) or reply
+                return bool(reply == 1)
+        return await self.broker.scripts.run(call) == 1
 
     async def load_parked(self, reader: OrderlyPartition) -> None:
         """See redisq.partition.PartitionIO.load_parked."""
