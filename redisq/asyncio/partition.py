@@ -20,9 +20,9 @@ from redisq.deadletter import LETTER_PRODUCER_OPTIONS, letter
 from redisq.dispatch import OrderlyPartition
 from redisq.errors import PartitionOutOfRange, from_reply
 from redisq.keys import dead_letter_topic
+from redisq.malformed import MalformedLog
 from redisq.ownership import TopicPartition
 from redisq.partition import (
-    MalformedLog,
     PartitionIO,
     hashes,
     offset_entries,
