@@ -23,13 +23,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
+from redis.exceptions import TryAgainError
 
 import redisq
 import redisq.asyncio as rq
+from redisq.deadletter import release_key
 from redisq.group_admin import describe_group
+from redisq.partition import PartitionIO
 from tests.aio import aio
+from tests.conftest import wait_until as wait_for
 from tests.servers import ServerProcess
 from tests.test_cluster import (  # noqa: F401
     PARTITIONS,
@@ -42,6 +47,8 @@ from tests.test_cluster import (  # noqa: F401
     produce_keyed,
 )
 from tests.test_cluster import TOPIC as KEYED_TOPIC
+from tests.test_consumer import run_in_thread
+from tests.test_parked_lanes import PARK, Handled, park_key_k, partition, send
 
 pytestmark = [pytest.mark.cluster, pytest.mark.fault]
 
@@ -315,3 +322,47 @@ async def test_async_one_member_rides_out_a_slot_migration(
     assert not migration_noise(caplog.records), migration_noise(caplog.records)
     with source.client() as src:
         assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+
+
+# -- released held messages whose read fails -----------------------------------------------------
+
+
+def test_released_messages_whose_read_fails_still_go_first(
+    broker: redisq.Broker,
+    cluster3: list[ServerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Key K parked, K2 held behind it; K is released, and the read of K2 (XRANGE of its offset)
+    is answered TRYAGAIN twice (a redirection still there when the exchange's budget ran out),
+    while K3 comes in: K2 stays held and is handled before K3, which the member reads after
+    the release (K no longer parked). Read as "no entry", K3 went first. The worker keeps the
+    partition (no failure logged)."""
+    park_key_k(broker)
+    send(broker, (b"K2", b"K"))
+    caplog.clear()  # the dead letter that parked K was logged at ERROR
+    failures = {"left": 2}
+    original = PartitionIO._exchange
+
+    def flaky(self: PartitionIO, key: str, commands: list[Any], **options: Any) -> list[Any]:
+        if commands[0][0] == "XRANGE" and failures["left"]:
+            if failures["left"] == 2:
+                send(broker, (b"K3", b"K"))  # after the release was seen, before K2 is read
+            failures["left"] -= 1
+            return [TryAgainError("Multiple keys request during rehashing of slot")] * len(commands)
+        return original(self, key, commands, **options)
+
+    monkeypatch.setattr(PartitionIO, "_exchange", flaky)
+    handled = Handled()
+    member = broker.consumer("orders", "g", **PARK)
+    thread = run_in_thread(member, handled)
+    try:
+        wait_for(lambda: partition(broker).held == 1, what="K2 held")
+        assert release_key(broker, "orders", "g", "K") == 1
+        wait_for(lambda: len(handled.values) >= 2, what="K2 and K3 handled")
+    finally:
+        member.close()
+        thread.join(30)
+    assert failures["left"] == 0
+    assert handled.values == [b"K2", b"K3"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
