@@ -287,13 +287,17 @@ class Consumer(Coordinator):
             if not self._own_thread():  # closing in another thread (or a thread of ours)
                 self._close_done.wait(timeout)
             return
+        with self._lock:  # from now on no worker starts another batch
+            self.ownership.stopping = True
+            workers = list(self._workers.values())
         self._closed = True
         self._stopping.set()
+        self._wake.set()
         failed: list[BaseException] = []
         # The steps run in a thread of their own: close() waits for them no longer than timeout.
         threading.Thread(
             target=self._close,
-            args=(timeout, failed),
+            args=(timeout, workers, failed),
             name=f"redisq-close-{self.name}",
             daemon=True,
         ).start()
@@ -310,19 +314,18 @@ class Consumer(Coordinator):
         elif failed:
             raise failed[0]
 
-    def _close(self, timeout: float | None, failed: list[BaseException]) -> None:
+    def _close(
+        self, timeout: float | None, workers: list[threading.Thread], failed: list[BaseException]
+    ) -> None:
         try:
-            self._close_steps(timeout)
-        except BaseException as exc:  # raised by close() in the caller's thread
+            self._close_steps(timeout, workers)
+        except BaseException as exc:  # raised by close() in the caller's thread, if it waits
+            log.warning("%s: closing failed: %r", self.name, exc)
             failed.append(exc)
         finally:
             self._close_done.set()
 
-    def _close_steps(self, timeout: float | None) -> None:
-        with self._lock:
-            self.ownership.stopping = True
-            workers = list(self._workers.values())
-        self._wake.set()
+    def _close_steps(self, timeout: float | None, workers: list[threading.Thread]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         for worker in workers:
             worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

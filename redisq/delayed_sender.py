@@ -233,11 +233,15 @@ class DelayedSender:
         if thread.is_alive():
             log.warning("the delayed sender did not stop at close(): its sends settle later")
             return
+        self._fail_in_flight()
+
+    def _fail_in_flight(self) -> None:
         with self._cond:
             self._core.fail_all(
                 ProducerClosed("closed before the batch was acknowledged: it may or may not be "
                                "stored"), in_flight=True,
             )  # fmt: skip
+            self._cond.notify_all()
         self._signal_finished()
 
     def _signal_finished(self) -> None:
@@ -255,8 +259,8 @@ class DelayedSender:
         transport = self._transport
         try:
             self._send_rounds(transport)
-        except Halted:  # close() ran out of time: it fails what is unacknowledged
-            pass
+        except Halted:  # close() ran out of time: what is unacknowledged fails now
+            self._fail_in_flight()
         finally:
             transport.close()
 
@@ -298,7 +302,7 @@ class DelayedSender:
             run_operation(operation, self._broker.scripts.execute)
         except NETWORK_ERRORS as exc:  # tried again; the batches' deadlines still hold
             log.warning("delayed sends: cannot prove the epoch yet: %s", type(exc).__name__)
-            time.sleep(min(1.0, self._settings.retry_backoff_ms / 1000))
+            self._transport.pause(min(1.0, self._settings.retry_backoff_ms / 1000))
             return
         except Exception as exc:  # ProducerFenced: a newer instance has the name
             with self._cond:

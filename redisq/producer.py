@@ -185,6 +185,8 @@ class Producer:
         )
         try:
             identity = self._call(lambda: self._run_operation(operation))
+        except Halted:
+            raise
         except Exception as exc:
             return self._identity_failed(exc, "take a new epoch")
         with self._cond:
@@ -225,6 +227,8 @@ class Producer:
         operation = identity_ops.prove_and_fence(self._keys, self.identity, needed)
         try:
             self._call(lambda: self._run_operation(operation))
+        except Halted:
+            raise
         except Exception as exc:
             return self._identity_failed(exc, "fence")
         with self._cond:
@@ -475,7 +479,7 @@ class Producer:
                     )
                     if not renewed and core.fatal is None:
                         self._expire_waiting()
-                        time.sleep(backoff * (0.5 + random.random()))
+                        transport.pause(backoff * (0.5 + random.random()))
                         backoff = min(backoff * 2, 1.0)
                     continue
                 if core.reload_scripts:
@@ -505,12 +509,12 @@ class Producer:
                         outstanding.popleft()
                         self._callbacks.run()
                         if retry and not progress:
-                            time.sleep(backoff * (0.5 + random.random()))
+                            transport.pause(backoff * (0.5 + random.random()))
                             backoff = min(backoff * 2, 1.0)
                         elif progress:
                             backoff = settings.retry_backoff_ms / 1000
-                except Halted:  # close() ran out of time: it fails what is unacknowledged
-                    return
+                except Halted:
+                    raise
                 except _NETWORK_ERRORS as exc:
                     # Replies in flight are lost: every batch on the wire goes again (the window
                     # answers the ones that were written as duplicates, with their offsets), or
@@ -524,7 +528,7 @@ class Producer:
                         outstanding.clear()
                         core.expire(time.monotonic())
                         self._cond.notify_all()
-                    time.sleep(backoff * (0.5 + random.random()))
+                    transport.pause(backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, 1.0)
                 except Exception as exc:  # never let the sender die silently
                     log.exception("sender round failed")
@@ -536,8 +540,10 @@ class Producer:
                         outstanding.clear()
                         core.fail_unknown(errors.RedisqError(f"sender failed: {exc!r}"), None)
                         self._cond.notify_all()
-        except Halted:  # close() ran out of time while a call waited for the server
-            pass
+        except Halted:  # close() ran out of time: what is unacknowledged fails now
+            with self._cond:
+                core.fail_all(ProducerClosed(_CLOSED_UNACKED), fatal=True)
+                self._cond.notify_all()
         finally:
             transport.close()
             self._callbacks.run()

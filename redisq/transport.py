@@ -138,6 +138,11 @@ class Transport:
     def halted(self) -> bool:
         return self._halted.is_set()
 
+    def pause(self, seconds: float) -> None:
+        """A backoff between tries: Halted as soon as halt() is called (or was)."""
+        if self._halted.wait(seconds):
+            raise Halted("halted during a backoff")
+
     def node_for(self, key: str) -> str:
         """The node that serves key (standalone: the one server)."""
         if not self.is_cluster:

@@ -7,6 +7,11 @@
 -- bucket counts while it holds slice s - 1. An id is remembered for at least one window and at
 -- most two, whatever the clocks of the clients that send it.
 
+local function dedup_expire(ring)
+  redis.call('PEXPIRE', ring.current,
+    string.format('%.0f', (ring.slice + 2) * ring.window_ms - ring.now_ms + 1000))
+end
+
 -- dedup_ring(bucket0, bucket1, window_ms): the ring as of now:
 --   {current = bucket of this slice, previous = the other one, fresh = current was emptied (or
 --    is new), previous_valid = previous holds the slice before, slice, now_ms, window_ms}
@@ -30,6 +35,7 @@ local function dedup_ring(bucket0, bucket1, window_ms)
     if type(marked) == 'table' and marked.err then
       return nil
     end
+    dedup_expire(ring)  -- kept no longer than a bucket of ids would be (dedup_seal)
   end
   ring.previous_valid = redis.call('HGET', ring.previous, '') == string.format('%.0f', slice - 1)
   return ring
@@ -41,6 +47,5 @@ local function dedup_seal(ring)
   if ring.fresh then
     redis.call('HSET', ring.current, '', string.format('%.0f', ring.slice))
   end
-  redis.call('PEXPIRE', ring.current,
-    string.format('%.0f', (ring.slice + 2) * ring.window_ms - ring.now_ms + 1000))
+  dedup_expire(ring)
 end
