@@ -7,6 +7,7 @@ into these exceptions, in this one place.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 
 class RedisqError(Exception):
@@ -222,6 +223,24 @@ class GroupModeMismatch(RedisqError, ValueError):
 
 class ConsumerClosed(RedisqError):
     """poll(), ack() or run() after close()."""
+
+
+class ReadFailed(RedisqError):
+    """A command of a read behind a view (describe, lag, metrics, the console) was answered
+    with an error (a lost connection, a slot moving in a cluster, a key of another type): the
+    view shows this instead of a number it did not read. `cause` is the error."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"could not read {what}: {type(cause).__name__}: {log_text(cause)}")
+        self.what = what
+        self.cause = cause
+
+
+def read_reply(reply: Any, what: str) -> Any:
+    """A pipelined reply, or ReadFailed when the step left an error in its place."""
+    if isinstance(reply, Exception):
+        raise ReadFailed(what, reply) from reply
+    return reply
 
 
 _OUT_OF_ORDER = re.compile(r"OUT_OF_ORDER expected=(\d+)")
