@@ -18,11 +18,13 @@ counted inside the server (count_range.lua, capped at COUNT_CAP) in one more rou
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from redisq.admin import fields, read_config, server_ms
-from redisq.errors import GroupNotFound, InvalidName, TopicNotFound
+from redisq.errors import GroupNotFound, InvalidName, TopicNotFound, read_reply
 from redisq.keys import KeySpace, dead_letter_topic, parse_dead_letter_topic, validate_topic
 from redisq.protocol import Command, Operation, Step, optional_text, text
 from redisq.protocol.admin import count_range
@@ -174,17 +176,16 @@ class NamespaceSnapshot:
 
 
 # -- reply helpers -------------------------------------------------------------------------------
-def _ok(result: Any) -> Any:
-    """A pipelined result, raising the error a failed step left in its place."""
-    if isinstance(result, Exception):
-        raise result
-    return result
+def _stream_reply(reply: Any, what: str) -> Any:
+    """XINFO STREAM / XINFO GROUPS: a stream deleted under the read (delete_topic between two
+    round trips) answers 'no such key', which is nothing there; any other error is ReadFailed."""
+    if isinstance(reply, ResponseError) and str(reply) == "no such key":
+        return None
+    return read_reply(reply, what)
 
 
 def _as_dict(reply: Any) -> dict[str, Any]:
-    if isinstance(reply, Exception) or reply is None:
-        return {}
-    return fields(reply)
+    return {} if reply is None else fields(reply)
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -194,13 +195,13 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
-def _hash(reply: Any) -> dict[str, str]:
-    return {k: text(v) for k, v in _as_dict(reply).items()}
+def _hash(reply: Any, what: str) -> dict[str, str]:
+    return {k: text(v) for k, v in _as_dict(read_reply(reply, what)).items()}
 
 
-def _scored(reply: Any) -> list[tuple[str, float]]:
+def _scored(reply: Any, what: str) -> list[tuple[str, float]]:
     """ZRANGE ... WITHSCORES as (member, score) pairs (RESP2 flat, pairs, or RESP3)."""
-    if not reply or isinstance(reply, Exception):
+    if not read_reply(reply, what):
         return []
     if isinstance(reply[0], list | tuple):
         return [(text(m), float(s)) for m, s in reply]
@@ -208,12 +209,13 @@ def _scored(reply: Any) -> list[tuple[str, float]]:
     return [(text(m), float(s)) for m, s in zip(it, it, strict=True)]
 
 
-def _stream(p: int, replies: Sequence[Any], node: str | None) -> PartitionSnapshot:
+def _stream(topic: str, p: int, replies: Sequence[Any], node: str | None) -> PartitionSnapshot:
     """XINFO STREAM, then ZCARD and the first of the schedule when read (_stream_steps)."""
     info, scheduled, first_due = (*replies, 0, None) if len(replies) == 1 else replies
-    info = _as_dict(info)  # a missing stream (deleted under us) reads as empty
+    where = f"topic {topic!r} partition {p}"
+    info = _as_dict(_stream_reply(info, f"{where} (XINFO STREAM)"))
     first, last = info.get("first-entry"), info.get("last-entry")
-    due = _scored(first_due)
+    due = _scored(first_due, f"{where}'s schedule")
     return PartitionSnapshot(
         partition=p,
         length=_int(info.get("length")),
@@ -221,14 +223,15 @@ def _stream(p: int, replies: Sequence[Any], node: str | None) -> PartitionSnapsh
         last_offset=optional_text(last[0]) if last else None,
         entries_added=_int(info.get("entries-added"), _int(info.get("length"))),
         node=node,
-        scheduled=_int(scheduled if not isinstance(scheduled, Exception) else 0),
+        scheduled=_int(read_reply(scheduled, f"{where}'s schedule")),
         next_due_ms=int(due[0][1]) if due else None,
     )
 
 
-def _stream_groups(reply: Any) -> dict[str, dict[str, Any]]:
+def _stream_groups(reply: Any, topic: str, p: int) -> dict[str, dict[str, Any]]:
     """XINFO GROUPS by group name."""
-    if isinstance(reply, Exception) or not reply:
+    reply = _stream_reply(reply, f"topic {topic!r} partition {p} (XINFO GROUPS)")
+    if not reply:
         return {}
     found = {}
     for entry in reply:
@@ -246,11 +249,12 @@ def _topic_configs(keys: KeySpace, names: Sequence[str]) -> Operation[list[Topic
     replies = yield steps
     found = []
     for i, name in enumerate(names):
-        raw = _ok(replies[i])
+        raw = read_reply(replies[i], f"topic {name!r} (settings)")
         raw = raw if isinstance(raw, dict) else dict(zip(raw[0::2], raw[1::2], strict=True))
         if not raw:
             continue
-        groups = sorted(text(g) for g in _ok(replies[len(names) + i]) or ())
+        registry = read_reply(replies[len(names) + i], f"topic {name!r}'s groups")
+        groups = sorted(text(g) for g in registry or ())
         found.append(TopicSnapshot(TopicConfig.from_hash(name, raw), [], groups))
     return found
 
@@ -284,11 +288,11 @@ def namespace_snapshot(
     nodes: a function key -> "host:port" (a cluster client's slot map), or None."""
     if topics is None:
         members, now = yield [Command(("SMEMBERS", keys.topics())), Command(("TIME",))]
-        names = sorted(text(m) for m in _ok(members))
+        names = sorted(text(m) for m in read_reply(members, "the topic registry"))
     else:
         (now,) = yield [Command(("TIME",))]
         names = list(topics)
-    now_ms = server_ms(_ok(now))
+    now_ms = server_ms(read_reply(now, "the server's time"))
     snapshots = yield from _topic_configs(keys, names)
     steps = _stream_steps(keys, snapshots, with_schedules)
     per_stream = 3 if with_schedules else 1
@@ -314,14 +318,14 @@ def namespace_snapshot(
         for p in range(t.config.partitions):
             key = keys.log(t.name, p)
             stream = replies[at : at + per_stream]
-            parts.append(_stream(p, stream, nodes(key) if nodes else None))
+            parts.append(_stream(t.name, p, stream, nodes(key) if nodes else None))
             at += per_stream
         result.topics[t.name] = TopicSnapshot(t.config, parts, t.groups)
     stream_groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for t in snapshots:
         if with_groups and t.groups:
             for p in range(t.config.partitions):
-                stream_groups[(t.name, p)] = _stream_groups(replies[at])
+                stream_groups[(t.name, p)] = _stream_groups(replies[at], t.name, p)
                 at += 1
     groups = []
     for t, g in group_refs:
@@ -400,18 +404,23 @@ def _group_from_replies(
     topics: dict[str, TopicSnapshot],
     now_ms: int,
 ) -> GroupSnapshot:
-    meta = _hash(replies[0])
-    members = sorted((name, max(0, now_ms - int(score))) for name, score in _scored(replies[1]))
+    where = f"group {group!r} of topic {topic.name!r}"
+    meta = _hash(replies[0], f"{where} (settings)")
+    members = sorted(
+        (name, max(0, now_ms - int(score)))
+        for name, score in _scored(replies[1], f"{where} (members)")
+    )
     partitions = []
     for p, stream in enumerate(topic.partitions):
-        lease_raw, ttl, fence, state_raw, parked, held = replies[
-            2 + _PER_PARTITION * p : 2 + _PER_PARTITION * (p + 1)
-        ]
+        at = f"{where} partition {p}"
+        lease_raw, ttl, fence, state_raw, parked, held = (
+            read_reply(reply, at) for reply in replies[2 + _PER_PARTITION * p :][:_PER_PARTITION]
+        )
         try:
-            lease = parse_lease(lease_raw if not isinstance(lease_raw, Exception) else None)
+            lease = parse_lease(lease_raw)
         except ValueError:  # not a lease value redisq wrote
             lease = None
-        state = _hash(state_raw)
+        state = _hash(state_raw, at)
         entry = stream_groups.get((topic.name, p), {}).get(group)
         if entry is None:  # the group has not read this partition yet: all of it is to come
             lag: int | None = stream.length
@@ -439,11 +448,11 @@ def _group_from_replies(
                 token=lease[0] if lease else None,
                 granted_ms=lease[2] if lease else None,
                 lease_left_ms=ttl_ms if ttl_ms >= 0 else None,
-                grants=_int(fence if not isinstance(fence, Exception) else 0),
+                grants=_int(fence),
                 dead_letters=_int(state.get("dead_letters")),
                 malformed=_int(state.get("malformed")),
-                parked=_int(parked if not isinstance(parked, Exception) else 0),
-                held=_int(held if not isinstance(held, Exception) else 0),
+                parked=_int(parked),
+                held=_int(held),
                 blocked_offset=state.get("blocked_offset"),
                 blocked_error=state.get("blocked_error"),
                 blocked_attempts=_int(blocked_attempts) if blocked_attempts else None,
@@ -488,15 +497,8 @@ def _count_unknown_lags(
     counts = yield steps
     rebuilt = [list(g.partitions) for g in groups]
     for (i, gp), result in zip(unknown, counts, strict=True):
-        if isinstance(result, Exception):
-            continue
-        count = int(result[0])
+        where = f"topic {groups[i].topic!r} partition {gp.partition}"
+        count = int(read_reply(result, f"{where}: group {groups[i].group!r}'s lag")[0])
         lag = None if count > COUNT_CAP else count
-        rebuilt[i][gp.partition] = _replace(gp, lag=lag, lag_counted=lag is not None)
-    return [_replace(g, partitions=parts) for g, parts in zip(groups, rebuilt, strict=True)]
-
-
-def _replace(obj: Any, **changes: Any) -> Any:
-    from dataclasses import replace
-
-    return replace(obj, **changes)
+        rebuilt[i][gp.partition] = replace(gp, lag=lag, lag_counted=lag is not None)
+    return [replace(g, partitions=parts) for g, parts in zip(groups, rebuilt, strict=True)]

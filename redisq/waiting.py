@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redisq.admin import server_ms
+from redisq.errors import read_reply
 from redisq.keys import KeySpace, parse_unresolved_topic
 from redisq.protocol import Command, Operation, Step, text
 from redisq.protocol import transactions as tx
@@ -77,17 +78,9 @@ def _ids(reply: Any) -> list[str]:
     return [text(r) for r in reply]
 
 
-def _ok(result: Any) -> Any:
-    """A pipelined result, raising the error a failed step left in its place."""
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def _score(reply: Any) -> int | None:
-    if reply is None or isinstance(reply, Exception):
-        return None
-    return int(float(reply))
+def _score(reply: Any, what: str) -> int | None:
+    reply = read_reply(reply, what)
+    return None if reply is None else int(float(reply))
 
 
 def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[TransactionsSnapshot]:
@@ -98,7 +91,7 @@ def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[Transa
         Command(("ZRANGE", keys.transactions(), 0, limit - 1), _ids),
         Command(("ZCARD", keys.transactions()), int),
     ]
-    now, ids, total = (_ok(reply) for reply in first)
+    now, ids, total = (read_reply(reply, "the transaction registry") for reply in first)
     if not ids:
         return TransactionsSnapshot(now_ms=now, total=total)
     steps: list[Step] = []
@@ -110,8 +103,8 @@ def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[Transa
     replies = yield steps
     infos = []
     for i, tx_id in enumerate(ids):
-        record, batches = replies[2 * i], replies[2 * i + 1]
-        if isinstance(record, Exception) or record is None:  # forgotten since the ZRANGE
+        record, batches = (read_reply(r, f"transaction {tx_id!r}") for r in replies[2 * i :][:2])
+        if record is None:  # forgotten since the ZRANGE
             infos.append(TransactionInfo(tx_id, "missing", "", None, 0, 0, None, 0))
             continue
         infos.append(
@@ -120,7 +113,7 @@ def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[Transa
                 state=record.state,
                 producer=record.name or str(record.producer_id or ""),
                 group=record.group,
-                batches=batches if isinstance(batches, int) else 0,
+                batches=batches,
                 age_ms=max(0, now - record.created_ms) if record.created_ms else 0,
                 deadline_ms=record.deadline_ms if record.group is None else None,
                 checks=record.checks,
@@ -133,7 +126,10 @@ def transactions_snapshot(keys: KeySpace, limit: int = 1000) -> Operation[Transa
             Command(("ZSCORE", keys.transaction_group(i.group or ""), i.transaction_id))
             for i in halves
         ]
-        checks = {i.transaction_id: _score(s) for i, s in zip(halves, scores, strict=True)}
+        checks = {
+            i.transaction_id: _score(s, f"transaction {i.transaction_id!r}'s next check-back")
+            for i, s in zip(halves, scores, strict=True)
+        }
     infos.sort(key=lambda i: -i.age_ms)
     return TransactionsSnapshot(
         now_ms=now,
@@ -170,16 +166,15 @@ def schedules(keys: KeySpace) -> Operation[Schedules]:
     """Three round trips: the topic registry, each topic's partition count, each partition's
     ZCARD and first entry of its schedule."""
     first = yield [Command(("SMEMBERS", keys.topics())), Command(("TIME",), server_ms)]
-    members, now = (_ok(reply) for reply in first)
+    members, now = (read_reply(reply, "the topic registry") for reply in first)
     names = sorted(text(m) for m in members)
     if not names:
         return Schedules(now, [], [])
     counts = yield [Command(("HGET", keys.topic_meta(t), "partitions")) for t in names]
-    parts = [
+    parts = [  # a topic deleted since the registry was read has no partitions (None)
         (t, p)
         for t, count in zip(names, counts, strict=True)
-        if count is not None and not isinstance(count, Exception)
-        for p in range(int(count))
+        for p in range(int(read_reply(count, f"topic {t!r} (settings)") or 0))
     ]
     if not parts:
         return Schedules(now, names, [])
@@ -192,9 +187,10 @@ def schedules(keys: KeySpace) -> Operation[Schedules]:
     replies = yield steps
     found = []
     for i, (t, p) in enumerate(parts):
-        count, head = replies[2 * i], replies[2 * i + 1]
-        if isinstance(count, int) and count:
-            due = head[0][1] if isinstance(head, list) and head else None
+        what = f"topic {t!r} partition {p}'s schedule"
+        count, head = (read_reply(r, what) for r in replies[2 * i :][:2])
+        if count:
+            due = head[0][1] if head else None
             found.append(PartitionSchedule(t, p, count, due))
     return Schedules(now, names, found)
 
@@ -237,11 +233,9 @@ def unresolved_messages(
     replies = yield steps
     result = []
     for i, (topic, group) in enumerate(found):
-        reply, length = replies[2 * i], replies[2 * i + 1]
-        entries = [] if isinstance(reply, Exception) or not reply else reply
-        messages = decode_entries(topic, 0, entries)
-        total = length if isinstance(length, int) else len(messages)
-        result.append(Unresolved(group, topic, messages, total))
+        entries, length = (read_reply(r, f"topic {topic!r}") for r in replies[2 * i :][:2])
+        messages = decode_entries(topic, 0, entries or [])
+        result.append(Unresolved(group, topic, messages, length))
     return result
 
 
@@ -288,7 +282,7 @@ def _parse_scheduled(
 def _pairs(reply: Any) -> list[tuple[bytes, int]]:
     """ZRANGE ... WITHSCORES (RESP2 flat or pairs, RESP3 pairs) as (member, score ms); members
     stay bytes (a message id need not be UTF-8)."""
-    if not reply or isinstance(reply, Exception):
+    if not reply:
         return []
     if isinstance(reply[0], list | tuple):
         return [(bytes(m), int(float(s))) for m, s in reply]
@@ -315,7 +309,7 @@ def scheduled_messages(
         (
             (score, t, p, member)
             for ((t, p), _), reply in zip(partitions, replies, strict=True)
-            for member, score in _pairs(reply)
+            for member, score in _pairs(read_reply(reply, f"topic {t!r} partition {p}'s schedule"))
         ),
     )
     by_partition: dict[tuple[str, int], list[tuple[int, bytes]]] = {}
@@ -330,7 +324,7 @@ def scheduled_messages(
     ]
     found = []
     for ((t, p), members), reply in zip(wanted, bodies, strict=True):
-        values = [] if isinstance(reply, Exception) else reply
+        values = read_reply(reply, f"topic {t!r} partition {p}'s delayed messages")
         for (score, member), raw in zip(members, values, strict=False):
             message = _parse_scheduled(t, p, member, score, raw)
             if message is not None:  # delivered between the two round trips
