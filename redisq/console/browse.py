@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from redisq.errors import InvalidConfig
+from redisq.errors import InvalidConfig, read_reply
 from redisq.partitioner import partition_for_key
 from redisq.protocol import Command, Operation, run_operation, text
 from redisq.records import Message, decode_entries, offset_before, offset_parts
@@ -154,7 +154,8 @@ def find_by_message_id(
         ]
         offsets = []
         for i, reply in enumerate(replies):
-            if reply is not None and not isinstance(reply, Exception):
+            what = f"topic {topic!r} partition {i // 2}'s dedup window"
+            if read_reply(reply, what) is not None:
                 offsets.append((i // 2, text(reply)))
         return offsets
 

@@ -28,7 +28,7 @@ from redisq.connection import redact_url
 from redisq.console.actions import Producers
 from redisq.console.browse import preview
 from redisq.console.history import History, Sampler
-from redisq.errors import GroupNotFound, RedisqError, TopicInUse, TopicNotFound
+from redisq.errors import GroupNotFound, ReadFailed, RedisqError, TopicInUse, TopicNotFound
 from redisq.inspect import NamespaceSnapshot, namespace_snapshot
 from redisq.protocol import Operation, run_operation
 
@@ -165,6 +165,10 @@ class Console:
                     f"Cannot reach the server at {self.url_shown}: {type(exc).__name__}: {exc}"
                 ),
             )
+        if isinstance(exc, ReadFailed):  # a command of the page's read answered an error
+            unreachable = isinstance(exc.cause, redis.ConnectionError | redis.TimeoutError)
+            title = "Server unreachable" if unreachable else "Server error"
+            return 503 if unreachable else 502, title, self.scrub(str(exc))
         if isinstance(exc, TopicNotFound | GroupNotFound):
             return 404, "Not found", self.scrub(str(exc))
         if isinstance(exc, TopicInUse):

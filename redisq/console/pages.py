@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from redis.exceptions import ResponseError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -32,6 +33,7 @@ from redisq.console.browse import (
 from redisq.console.charts import line_chart, sparkline
 from redisq.console.context import Console
 from redisq.console.producers import dedup_buckets, named_producers, topic_producers
+from redisq.errors import read_reply
 from redisq.group import assign_partitions
 from redisq.inspect import group_snapshot, topic_snapshot
 from redisq.protocol import Command, Operation, text
@@ -148,42 +150,30 @@ def messages_page(console: Console, request: Request) -> Response:
 def _pending_entries(
     console: Console, topic: str, group: str, partitions: list[int]
 ) -> dict[int, list[dict[str, Any]]]:
-    """Up to 20 pending entries of each partition that has some (one pipelined round trip)."""
-    keys = console.broker.keys
-
-    def read() -> Operation[dict[int, list[dict[str, Any]]]]:
-        replies = yield [
-            Command(("XPENDING", keys.log(topic, p), group, "-", "+", 20)) for p in partitions
-        ]
-        found = {}
-        for p, reply in zip(partitions, replies, strict=True):
-            if isinstance(reply, Exception) or not reply:
-                continue
-            rows = []
-            for entry in reply:
-                if isinstance(entry, dict):
-                    rows.append(
-                        {
-                            "offset": text(entry.get("message_id")),
-                            "consumer": text(entry.get("consumer")),
-                            "idle_ms": int(entry.get("time_since_delivered", 0)),
-                            "deliveries": int(entry.get("times_delivered", 0)),
-                        }
-                    )
-                else:
-                    offset, consumer, idle, deliveries = entry
-                    rows.append(
-                        {
-                            "offset": text(offset),
-                            "consumer": text(consumer),
-                            "idle_ms": int(idle),
-                            "deliveries": int(deliveries),
-                        }
-                    )
-            found[p] = rows
-        return found
-
-    return console.run(read()) if partitions else {}
+    """Up to 20 pending entries of each partition that has some (one pipelined round trip,
+    through redis-py's xpending_range: a plain XPENDING command is parsed as the summary form)."""
+    if not partitions:
+        return {}
+    pipe = console.broker.client.pipeline(transaction=False)
+    for p in partitions:
+        pipe.xpending_range(console.broker.keys.log(topic, p), group, "-", "+", 20)
+    found = {}
+    for p, reply in zip(partitions, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(reply, ResponseError) and str(reply).startswith("NOGROUP"):
+            continue  # the group was deleted since the snapshot: nothing is pending
+        what = f"topic {topic!r} partition {p}: group {group!r}'s pending entries"
+        entries = read_reply(reply, what)
+        if entries:
+            found[p] = [
+                {
+                    "offset": text(entry["message_id"]),
+                    "consumer": text(entry["consumer"]),
+                    "idle_ms": int(entry["time_since_delivered"]),
+                    "deliveries": int(entry["times_delivered"]),
+                }
+                for entry in entries
+            ]
+    return found
 
 
 def group_page(console: Console, request: Request) -> Response:
@@ -225,7 +215,7 @@ def _parked_keys(
     ]
     found = {}
     for p, reply in enumerate(replies):
-        if reply and not isinstance(reply, Exception):
+        if read_reply(reply, f"topic {topic!r} partition {p}: group {group!r}'s parked keys"):
             # Keys stay bytes: a message key need not be UTF-8.
             flat = iter(reply)
             items = reply.items() if isinstance(reply, dict) else zip(flat, flat, strict=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from redisq.admin import fields, server_ms
+from redisq.errors import read_reply
 from redisq.keys import KeySpace
 from redisq.protocol import Command, Operation, Step, run_operation, text
 from redisq.protocol.produce import named_producer_id
@@ -120,7 +121,8 @@ def named_producers(broker: Broker) -> list[NamedProducer]:
         replies = yield steps
         found = []
         for i, name in enumerate(names):
-            epoch, ttl, topics = replies[3 * i : 3 * i + 3]
+            what = f"named producer {name!r}"
+            epoch, ttl, topics = (read_reply(r, what) for r in replies[3 * i : 3 * i + 3])
             found.append(
                 NamedProducer(
                     name=name,
@@ -136,7 +138,7 @@ def named_producers(broker: Broker) -> list[NamedProducer]:
 
 
 def _int(value: Any) -> int | None:
-    if value is None or isinstance(value, Exception):
+    if value is None:
         return None
     try:
         return int(value)
@@ -145,7 +147,7 @@ def _int(value: Any) -> int | None:
 
 
 def _ok_list(value: Any) -> list[Any]:
-    return [] if value is None or isinstance(value, Exception) else list(value)
+    return [] if value is None else list(value)
 
 
 def _window(raw: dict[str, str]) -> list[WindowBatch]:
@@ -184,8 +186,9 @@ def topic_producers(
         replies = yield steps
         states = []
         for i, (partition, pid, _key) in enumerate(parsed):
-            raw_hash, ttl = replies[2 * i], replies[2 * i + 1]
-            if isinstance(raw_hash, Exception) or not raw_hash:
+            what = f"topic {topic!r} partition {partition}: producer {pid}'s state"
+            raw_hash, ttl = (read_reply(r, what) for r in replies[2 * i : 2 * i + 2])
+            if not raw_hash:  # expired since the SCAN
                 continue
             raw = {k: text(v) for k, v in fields(raw_hash).items()}
             owner = by_id.get(pid)
@@ -237,13 +240,14 @@ def dedup_buckets(broker: Broker, topic: str) -> list[DedupBucket]:
                     Command(("PTTL", key)),
                 ]
         replies = yield steps
-        now_ms = replies[0]
-        current = now_ms // window
+        now_ms = read_reply(replies[0], "the server's time")
+        current = int(now_ms) // window
         buckets = []
         at = 1
         for p in range(config.partitions):
             for bucket in (0, 1):
-                size, held, ttl = replies[at : at + 3]
+                what = f"topic {topic!r} partition {p}'s dedup bucket {bucket}"
+                size, held, ttl = (read_reply(r, what) for r in replies[at : at + 3])
                 at += 3
                 held_slice = _int(held)
                 ids = max((_int(size) or 0) - (1 if held_slice is not None else 0), 0)
