@@ -185,8 +185,6 @@ class Producer:
         )
         try:
             identity = self._call(lambda: self._run_operation(operation))
-        except Halted:
-            raise
         except Exception as exc:
             return self._identity_failed(exc, "take a new epoch")
         with self._cond:
@@ -200,6 +198,8 @@ class Producer:
         return True
 
     def _identity_failed(self, exc: Exception, what: str) -> bool:
+        if isinstance(exc, Halted):  # close() ran out of time: not the identity's failure
+            raise exc
         network = isinstance(exc, _NETWORK_ERRORS)  # else ProducerFenced: a newer instance
         if network:
             log.warning("cannot %s yet: %s", what, type(exc).__name__)
@@ -227,8 +227,6 @@ class Producer:
         operation = identity_ops.prove_and_fence(self._keys, self.identity, needed)
         try:
             self._call(lambda: self._run_operation(operation))
-        except Halted:
-            raise
         except Exception as exc:
             return self._identity_failed(exc, "fence")
         with self._cond:
@@ -443,12 +441,10 @@ class Producer:
                 self._core.closing = True
                 self._cond.notify_all()
             self._sender.join(timeout=5 if deadline is None else remaining(deadline))
-            if self._sender.is_alive():  # waiting for replies that did not come in time
-                self._transport.halt()
+            if self._sender.is_alive():  # waiting for replies that did not come in time: it
+                self._transport.halt()  # stops and fails what it holds with ProducerClosed
                 self._sender.join(timeout=1)
-            if self._sender.is_alive():
-                log.warning("the sender did not stop at close(): its sends settle later")
-            else:
+            if not self._sender.is_alive():
                 with self._cond:
                     self._core.fail_all(ProducerClosed(_CLOSED_UNACKED), fatal=True)
                 self._callbacks.run()
