@@ -30,7 +30,7 @@ from typing import Any
 
 import redis
 
-from redisq.coordinator import Coordinator, default_member_name
+from redisq.coordinator import Coordinator, default_member_name, mark_thread
 from redisq.dispatch import (
     OrderlyPartition,
     messages_by_partition,
@@ -317,6 +317,7 @@ class Consumer(Coordinator):
     def _close(
         self, timeout: float | None, workers: list[threading.Thread], failed: list[BaseException]
     ) -> None:
+        mark_thread(self)  # an on_revoke callback calling close() here must not wait for itself
         try:
             self._close_steps(timeout, workers)
         except BaseException as exc:  # raised by close() in the caller's thread, if it waits

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -254,3 +255,27 @@ async def test_async_consumer_close_on_silent_server(
     wanted = sent - handled
     assert sent <= handled | await asyncio.to_thread(drain, broker, "g", mode, wanted)
     await client.close()
+
+
+# -- close() from on_revoke ----------------------------------------------------------------------
+
+
+def test_close_from_on_revoke_during_close_returns(
+    server: ServerProcess, broker: redisq.Broker
+) -> None:
+    """close() hands the partitions back and calls on_revoke; an on_revoke that calls close()
+    (to be sure the consumer stops) must not wait for the close it runs in."""
+    produce_ten(broker)
+    revoked: list[Any] = []
+
+    def on_revoke(partitions: list[tuple[str, int]]) -> None:
+        revoked.append(partitions)
+        consumer.close()
+
+    consumer = broker.consumer(TOPIC, "g", on_revoke=on_revoke, **FAST)
+    wait_until(lambda: consumer.poll(timeout=0.2) or consumer.assignment, what="an assignment")
+    closing = threading.Thread(target=consumer.close, daemon=True)
+    closing.start()
+    closing.join(20)
+    assert not closing.is_alive(), "close() waits for itself"
+    assert revoked
