@@ -116,6 +116,33 @@ def call_expiring(call: Callable[[], T], expire: Callable[[], None], transport: 
     raise value
 
 
+_refreshing: set[int] = set()  # the clients whose slot map is being read again
+_refreshing_lock = threading.Lock()
+
+
+def refresh_in_background(client: Any) -> None:
+    """Read a cluster client's slot map again in a thread of its own, one at a time per client.
+    After a connection error the map may be stale, but reading it can take the client's socket
+    timeout (30 s) when the node asked first is the one not answering: a sender waiting for it
+    would hold every batch, of every node, past its delivery timeout. Meanwhile the old map
+    serves; a node that moved answers MOVED, which is followed."""
+    with _refreshing_lock:
+        if id(client) in _refreshing:
+            return
+        _refreshing.add(id(client))
+
+    def refresh() -> None:
+        try:
+            client.nodes_manager.initialize()
+        except Exception as exc:
+            log.warning("cluster topology refresh failed: %s", type(exc).__name__)
+        finally:
+            with _refreshing_lock:
+                _refreshing.discard(id(client))
+
+    threading.Thread(target=refresh, name="redisq-topology", daemon=True).start()
+
+
 class Transport:
     """Dedicated connections (one per node) on which whole rounds of commands are written."""
 
@@ -226,22 +253,20 @@ class Transport:
     def note_ask(self, key: str, node: str) -> None:
         self._asking[key] = node
 
-    def reset(self) -> None:
-        """Drop every connection (after a connection error: replies in flight are lost)."""
+    def reset(self, refresh: bool = True) -> None:
+        """Drop every connection (after a connection error: replies in flight are lost); on a
+        cluster, read the slot map again in the background (refresh_in_background)."""
         for conn in self._connections.values():
             try:
                 conn.disconnect()
             except Exception:  # pragma: no cover - best effort
                 pass
         self._connections.clear()
-        if self.is_cluster:
-            try:
-                self._client.nodes_manager.initialize()
-            except Exception as exc:
-                log.warning("cluster topology refresh failed: %s", type(exc).__name__)
+        if self.is_cluster and refresh:
+            refresh_in_background(self._client)
 
     def close(self) -> None:
-        self.reset()
+        self.reset(refresh=False)
 
     def execute(self, steps: list[Step], scripts: Scripts, deadline: float) -> list[Any]:
         """Run protocol steps (see StepRound) on these connections, reading no later than

@@ -31,7 +31,7 @@ import redisq.asyncio as rq
 from redisq.errors import DeliveryTimeout, ProducerClosed
 from tests.aio import aio
 from tests.conftest import wait_until
-from tests.servers import ServerProcess, binary_for
+from tests.servers import ServerProcess, binary_for, start_cluster
 
 pytestmark = pytest.mark.fault
 
@@ -279,3 +279,68 @@ def test_close_from_on_revoke_during_close_returns(
     closing.join(20)
     assert not closing.is_alive(), "close() waits for itself"
     assert revoked
+
+
+# -- a cluster node stops answering --------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster() -> Iterator[list[ServerProcess]]:
+    nodes = start_cluster(None, masters=3)
+    yield nodes
+    for node in nodes:
+        node.kill(signal.SIGCONT)
+        node.stop()
+
+
+def stopped_node_partition(broker: redisq.Broker, node: ServerProcess) -> int:
+    partitions = broker.describe_topic(TOPIC).partitions
+    return next(p.partition for p in partitions if p.node == f"127.0.0.1:{node.port}")
+
+
+@pytest.mark.cluster
+def test_send_to_a_silent_cluster_node_fails_in_time(cluster: list[ServerProcess]) -> None:
+    """After a connection error the slot map is read again; when the node asked first is the
+    silent one that read waits for the client's socket timeout (30 s), and the sender used to
+    wait with it: a send to the silent node failed after 32 s with delivery_timeout_ms=1500."""
+    broker = redisq.connect(f"redis://127.0.0.1:{cluster[0].port}", namespace="sn")
+    broker.create_topic(TOPIC, partitions=6)
+    partition = stopped_node_partition(broker, cluster[0])
+    with broker.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS) as producer:
+        producer.send(TOPIC, b"warm", partition=partition, timeout=10)
+        with silent(cluster[0]):
+            for i in range(2):
+                started = time.monotonic()
+                future = producer.send_async(TOPIC, b"x%d" % i, partition=partition)
+                try:
+                    future.result(timeout=DELIVERY_LIMIT_S)
+                    error = None
+                except Exception as exc:
+                    error = exc
+                check_delivery_timeout(error, time.monotonic() - started)
+        assert not producer.send(TOPIC, b"after", partition=partition, timeout=30).duplicate
+    broker.close()
+
+
+@pytest.mark.cluster
+@aio
+async def test_async_send_to_a_silent_cluster_node_fails_in_time(
+    cluster: list[ServerProcess],
+) -> None:
+    url = f"redis://127.0.0.1:{cluster[0].port}"
+    sync = redisq.connect(url, namespace="sn")
+    sync.create_topic(TOPIC, partitions=6)
+    partition = stopped_node_partition(sync, cluster[0])
+    sync.close()
+    client = await rq.connect(url, namespace="sn")
+    producer = client.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
+    await producer.send(TOPIC, b"warm", partition=partition, timeout=10)
+    with silent(cluster[0]):
+        for i in range(2):
+            started = time.monotonic()
+            future = producer.send_async(TOPIC, b"x%d" % i, partition=partition)
+            done, _ = await asyncio.wait({future}, timeout=DELIVERY_LIMIT_S)
+            check_delivery_timeout(future.exception() if done else None, time.monotonic() - started)
+    assert not (await producer.send(TOPIC, b"after", partition=partition, timeout=30)).duplicate
+    await producer.close(timeout=10)
+    await client.close()
