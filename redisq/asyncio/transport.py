@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from redisq.asyncio.client import AsyncScripts
 
 log = logging.getLogger("redisq.asyncio.transport")
+_REFRESHING: set[asyncio.Task[None]] = set()  # slot-map reads under way (see reset)
 
 
 class AsyncTransport:
@@ -37,6 +38,7 @@ class AsyncTransport:
         self.is_cluster = isinstance(client, RedisCluster)
         self._connections: dict[str, Any] = {}
         self._asking: dict[str, str] = {}
+        self._refresh: asyncio.Task[None] | None = None
 
     # -- routing (sync: the slot map is in memory) ----------------------------------------------
     def node_for(self, key: str) -> str:
@@ -106,22 +108,29 @@ class AsyncTransport:
             await self._client.nodes_manager.initialize()  # the slot map changed
         return replies
 
-    async def reset(self) -> None:
-        """Drop every connection (after a connection error: replies in flight are lost)."""
+    async def reset(self, refresh: bool = True) -> None:
+        """Drop every connection (after a connection error: replies in flight are lost); on a
+        cluster, read the slot map again in a task of its own (as redisq.transport's
+        refresh_in_background: a node not answering holds no sender past its deadlines)."""
         for conn in self._connections.values():
             try:
                 await conn.disconnect()
             except Exception:  # pragma: no cover - best effort
                 pass
         self._connections.clear()
-        if self.is_cluster:
-            try:
-                await self._client.nodes_manager.initialize()
-            except Exception as exc:
-                log.warning("cluster topology refresh failed: %s", type(exc).__name__)
+        if self.is_cluster and refresh and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.ensure_future(self._refresh_map())
+            _REFRESHING.add(self._refresh)  # held until done, also after close()
+            self._refresh.add_done_callback(_REFRESHING.discard)
+
+    async def _refresh_map(self) -> None:
+        try:
+            await self._client.nodes_manager.initialize()
+        except Exception as exc:
+            log.warning("cluster topology refresh failed: %s", type(exc).__name__)
 
     async def close(self) -> None:
-        await self.reset()
+        await self.reset(refresh=False)
 
     async def execute(self, steps: list[Step], scripts: AsyncScripts, deadline: float) -> list[Any]:
         """As redisq.transport.Transport.execute: protocol steps written whole (StepRound),
