@@ -30,6 +30,7 @@ from redis.exceptions import TryAgainError
 
 import redisq
 import redisq.asyncio as rq
+from redisq.asyncio.partition import AsyncPartitionIO
 from redisq.deadletter import release_key
 from redisq.group_admin import describe_group
 from redisq.partition import PartitionIO
@@ -365,4 +366,56 @@ def test_released_messages_whose_read_fails_still_go_first(
         thread.join(30)
     assert failures["left"] == 0
     assert handled.values == [b"K2", b"K3"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@aio
+async def test_async_released_messages_whose_read_fails_still_go_first(
+    broker: redisq.Broker,
+    cluster3: list[ServerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """test_released_messages_whose_read_fails_still_go_first with the asyncio consumer."""
+    park_key_k(broker)
+    send(broker, (b"K2", b"K"))
+    caplog.clear()
+    failures = {"left": 2}
+    original = AsyncPartitionIO._exchange
+
+    async def flaky(
+        self: AsyncPartitionIO, key: str, commands: list[Any], **options: Any
+    ) -> list[Any]:
+        if commands[0][0] == "XRANGE" and failures["left"]:
+            if failures["left"] == 2:
+                send(broker, (b"K3", b"K"))  # after the release was seen, before K2 is read
+            failures["left"] -= 1
+            return [TryAgainError("Multiple keys request during rehashing of slot")] * len(commands)
+        return await original(self, key, commands, **options)
+
+    monkeypatch.setattr(AsyncPartitionIO, "_exchange", flaky)
+    values: list[bytes] = []
+
+    async def handle(message: redisq.Message) -> None:
+        values.append(message.value)
+
+    async def until(predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+    url = f"redis://127.0.0.1:{cluster3[0].port}"
+    async with await rq.connect(url, namespace=broker.namespace) as client:
+        member = client.consumer("orders", "g", **PARK)
+        task = asyncio.ensure_future(member.run(handle))
+        try:
+            await until(lambda: partition(broker).held == 1, "K2 held")
+            assert release_key(broker, "orders", "g", "K") == 1
+            await until(lambda: len(values) >= 2, "K2 and K3 handled")
+        finally:
+            await member.close()
+            await asyncio.wait_for(task, 30)
+    assert failures["left"] == 0
+    assert values == [b"K2", b"K3"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
