@@ -219,14 +219,19 @@ def migrate_slot(
             time.sleep(pause_s)
         if hook is not None:
             hook("moved")
-        # The importing node first, then the old owner, then everybody else (cluster docs).
-        dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
-        src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
-    for node in nodes:
-        if node not in (source, target):
-            with node.client() as client:
-                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    hand_over(nodes, slot, source, target)
     return source, target, moved
+
+
+def hand_over(
+    nodes: list[ServerProcess], slot: int, source: ServerProcess, target: ServerProcess
+) -> None:
+    """The end of a slot migration: SETSLOT NODE on the importing node first, then the old
+    owner, then everybody else (the cluster docs' order)."""
+    target_id = node_id(target)
+    for node in [target, source] + [n for n in nodes if n not in (source, target)]:
+        with node.client() as client:
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
 
 @pytest.mark.fault

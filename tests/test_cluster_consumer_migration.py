@@ -42,6 +42,7 @@ from tests.test_cluster import (  # noqa: F401
     KeyOrder,
     broker,
     cluster3,
+    hand_over,
     migrate_slot,
     node_id,
     owner_of,
@@ -87,12 +88,7 @@ def slot_held_mid_migration(
             rest = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
             if rest:
                 migrate(rest)
-            dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
-            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
-    for node in nodes:
-        if node not in (source, target):
-            with node.client() as client:
-                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    hand_over(nodes, slot, source, target)
 
 
 class Flaky:

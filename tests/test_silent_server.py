@@ -94,6 +94,25 @@ def check_delivery_timeout(error: BaseException | None, elapsed: float) -> None:
     assert DELIVERY_TIMEOUT_MS / 1000 * 0.9 <= elapsed < DELIVERY_LIMIT_S, f"after {elapsed:.1f} s"
 
 
+def outcome(future: Any) -> BaseException | None:
+    """What a send's future ended with within DELIVERY_LIMIT_S (None: acknowledged)."""
+    try:
+        future.result(timeout=DELIVERY_LIMIT_S)
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def async_producer(
+    url: str, namespace: str, topic: str, delayed: bool, delivery_timeout_ms: int
+) -> tuple[Any, Any]:
+    """An asyncio client and producer whose first send (to topic) was acknowledged."""
+    client = await rq.connect(url, namespace=namespace)
+    producer = client.producer(delivery_timeout_ms=delivery_timeout_ms)
+    await producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    return client, producer
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
 def test_sends_after_a_delivery_timeout_fail_in_time(
     server: ServerProcess, broker: redisq.Broker, delayed: bool
@@ -105,12 +124,7 @@ def test_sends_after_a_delivery_timeout_fail_in_time(
         for i in range(3):  # the first fails; a new epoch is pending for the others
             started = time.monotonic()
             future = producer.send_async(topic, b"x%d" % i, key=b"k", **delay_of(delayed))
-            try:
-                future.result(timeout=DELIVERY_LIMIT_S)
-                error = None
-            except Exception as exc:
-                error = exc
-            check_delivery_timeout(error, time.monotonic() - started)
+            check_delivery_timeout(outcome(future), time.monotonic() - started)
     after = producer.send(topic, b"after", key=b"k", timeout=30, **delay_of(delayed))
     assert not after.duplicate
     producer.close(timeout=10)
@@ -122,9 +136,9 @@ async def test_async_sends_after_a_delivery_timeout_fail_in_time(
     server: ServerProcess, broker: redisq.Broker, delayed: bool
 ) -> None:
     topic = DELAYED if delayed else TOPIC
-    client = await rq.connect(server.url, namespace=broker.namespace)
-    producer = client.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
-    await producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    client, producer = await async_producer(
+        server.url, broker.namespace, topic, delayed, DELIVERY_TIMEOUT_MS
+    )
     with silent(server):
         for i in range(3):
             started = time.monotonic()
@@ -180,9 +194,7 @@ async def test_async_producer_close_on_silent_server(
     server: ServerProcess, broker: redisq.Broker, delayed: bool
 ) -> None:
     topic = DELAYED if delayed else TOPIC
-    client = await rq.connect(server.url, namespace=broker.namespace)
-    producer = client.producer(delivery_timeout_ms=60_000)
-    await producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
+    client, producer = await async_producer(server.url, broker.namespace, topic, delayed, 60_000)
     with silent(server):
         future = producer.send_async(topic, b"late", key=b"k", **delay_of(delayed))
         await asyncio.sleep(0.1)  # on the wire
@@ -312,12 +324,7 @@ def test_send_to_a_silent_cluster_node_fails_in_time(cluster: list[ServerProcess
             for i in range(2):
                 started = time.monotonic()
                 future = producer.send_async(TOPIC, b"x%d" % i, partition=partition)
-                try:
-                    future.result(timeout=DELIVERY_LIMIT_S)
-                    error = None
-                except Exception as exc:
-                    error = exc
-                check_delivery_timeout(error, time.monotonic() - started)
+                check_delivery_timeout(outcome(future), time.monotonic() - started)
         assert not producer.send(TOPIC, b"after", partition=partition, timeout=30).duplicate
     broker.close()
 
