@@ -95,7 +95,7 @@ class StandaloneCluster:
             try:
                 if len(self.alive_workers()) == self.workers:
                     return self
-            except OSError:
+            except (OSError, ValueError):  # the master's UI not up yet (an empty reply)
                 pass
             time.sleep(0.5)
         self.stop()
