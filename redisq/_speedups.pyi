@@ -1,0 +1,11 @@
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redisq.records import Message
+
+def set_layout(
+    message_type: type[Message], slot_names: tuple[str, ...], slow_decode: Callable[..., Any], /
+) -> None: ...
+def decode_entries(
+    topic: str, partition: int, entries: Sequence[Any], deliveries: Any = None
+) -> list[Message]: ...
