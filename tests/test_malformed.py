@@ -285,8 +285,12 @@ def test_park_key_parks_a_readable_key_and_dead_letters_the_rest(broker: redisq.
     thread = threading.Thread(target=consumer.run, args=(recorder,), daemon=True)
     thread.start()
     wait_until(lambda: recorder.numbers() == [0, 2], what="the unparked messages")
-    part = describe_group(broker, "orders", "g").partitions[0]
-    assert part.parked_keys == 1 and part.malformed == 2 and part.dead_letters == 2
+
+    def recorded() -> bool:  # the group's counters land with the next commit (ack_interval_ms)
+        part = describe_group(broker, "orders", "g").partitions[0]
+        return part.parked_keys == 1 and part.malformed == 2 and part.dead_letters == 2
+
+    wait_until(recorded, what="the parked key and both dead letters in the group's state")
     assert redisq.deadletter.parked_keys(broker, "orders", "g") == {0: {b"fk1": bad_keyed}}
     assert {d.offset for d in list_dead_letters(broker, "orders", "g")} == {bad_keyed, bad_keyless}
     assert redisq.deadletter.release_key(broker, "orders", "g", "fk1") == 1
