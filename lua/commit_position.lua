@@ -5,6 +5,8 @@ KEYS[2]  the lease key                         <ns>:{<topic>:<p>}:lease:<group>
 KEYS[3]  the group's partition state hash      <ns>:{<topic>:<p>}:gstate:<group>
 KEYS[4]  the group's parked keys hash          <ns>:{<topic>:<p>}:parked:<group>
 KEYS[5]  the group's held messages hash        <ns>:{<topic>:<p>}:held:<group>
+         (KEYS[4] and KEYS[5] are declared only when P, H or U is above 0: both are
+         usually absent, and a migrating slot refuses a script that declares a missing key)
 ARGV[1]  group name
 ARGV[2]  the holder's lease value
 ARGV[3]  the new position: the offset of the last message handled ("" leaves it)

@@ -5,6 +5,7 @@ KEYS[1]  the lease key                         <ns>:{<topic>:<p>}:lease:<group>
 KEYS[2]  the group's partition state hash      <ns>:{<topic>:<p>}:gstate:<group>
 KEYS[3]  the group's parked keys hash          <ns>:{<topic>:<p>}:parked:<group>
 KEYS[4]  the group's held messages hash        <ns>:{<topic>:<p>}:held:<group>
+         (KEYS[3] and KEYS[4] only when P, H or U is above 0, as in commit_position.lua)
 ARGV[1]  the holder's lease value
 ARGV[2]  transaction id
 ARGV[3]  the hold's number among its lease's commits (commit_position.lua's ARGV[8])

@@ -34,6 +34,7 @@ from redisq.asyncio.partition import AsyncPartitionIO
 from redisq.deadletter import release_key
 from redisq.group_admin import describe_group
 from redisq.partition import PartitionIO
+from redisq.records import offset_parts
 from tests.aio import aio
 from tests.conftest import wait_until as wait_for
 from tests.servers import ServerProcess
@@ -64,8 +65,9 @@ POISON = 3  # the message the handler fails on until it is healed
 def slot_held_mid_migration(
     broker: redisq.Broker, nodes: list[ServerProcess], stage: str
 ) -> Iterator[None]:
-    """The slot of partition 0 MIGRATING to another master, the stream alone moved ("split")
-    or every key moved ("moved"), for the body of the with; the slot is handed over after it."""
+    """The slot of partition 0 MIGRATING to another master, the stream alone moved ("split"),
+    every key moved ("moved") or none yet ("none"), for the body of the with; the slot is
+    handed over after it."""
     stream = broker.keys.log(TOPIC, 0)
     slot = broker.client.keyslot(stream)
     source = owner_of(nodes, slot)
@@ -80,7 +82,7 @@ def slot_held_mid_migration(
         src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
         if stage == "split":
             migrate([stream])
-        else:
+        elif stage == "moved":
             migrate(src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000))
         try:
             yield
@@ -415,3 +417,73 @@ async def test_async_released_messages_whose_read_fails_still_go_first(
     assert failures["left"] == 0
     assert values == [b"K2", b"K3"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# -- a slot that stays MIGRATING for long, nothing moved yet ------------------------------------
+
+LONG_COUNT = 5000
+
+
+@pytest.mark.parametrize("api", ["thread", "asyncio"])
+def test_commits_land_while_the_slot_stays_migrating(
+    broker: redisq.Broker,
+    cluster3: list[ServerProcess],
+    api: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A migration can hold a slot MIGRATING for long before its keys move (a large slot, a slow
+    MIGRATE). The orderly owner's commits must land meanwhile. commit_position.lua used to
+    declare the group's parked-keys and held-messages hashes, which usually do not exist, and the
+    cluster answers TRYAGAIN to a script declaring a key its node does not hold while the slot
+    migrates: no commit landed until the slot moved, and after 3 s of retries the member logged
+    "commit failed" (a crash then would have redelivered all it handled since)."""
+    broker.create_topic(TOPIC, partitions=1)
+    with broker.producer() as producer:
+        for i in range(LONG_COUNT):
+            producer.send_async(TOPIC, b"%d" % i, key=b"k%d" % (i % 10))
+    handled: list[int] = []
+    options: dict[str, Any] = {"ack_interval_ms": 100, "lease_ttl_ms": 3000}
+
+    def handle(message: redisq.Message) -> None:
+        time.sleep(0.002)  # the run outlasts the migration
+        handled.append(int(message.value))
+
+    def run_thread_api() -> None:
+        broker.consumer(TOPIC, group=GROUP, **options).run(handle, idle_timeout=2.0)
+
+    def run_asyncio_api() -> None:
+        async def main() -> None:
+            url = f"redis://127.0.0.1:{cluster3[0].port}"
+            async with await rq.connect(url, namespace=broker.namespace) as client:
+                consumer = client.consumer(TOPIC, group=GROUP, **options)
+
+                async def handle_async(message: redisq.Message) -> None:
+                    await asyncio.sleep(0.002)
+                    handled.append(int(message.value))
+
+                await consumer.run(handle_async, idle_timeout=2.0)
+
+        asyncio.run(main())
+
+    caplog.set_level(logging.WARNING)
+    caplog.clear()
+    thread = threading.Thread(target=run_thread_api if api == "thread" else run_asyncio_api)
+    thread.start()
+    try:
+        wait_until(lambda: group_position(broker) not in (None, "0-0"), 30, "a first commit")
+        with slot_held_mid_migration(broker, cluster3, "none"):
+            at_start, handled_at_start = group_position(broker), len(handled)
+            time.sleep(4.0)  # longer than a member retries a redirection (3 s)
+            during, handled_during = group_position(broker), len(handled) - handled_at_start
+        assert handled_during > 0 and len(handled) < LONG_COUNT, "the run spans the migration"
+        assert during is not None and at_start is not None
+        assert offset_parts(during) > offset_parts(at_start), (
+            f"no commit landed in 4 s of MIGRATING ({handled_during} messages handled)"
+        )
+    finally:
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert sorted(handled) == list(range(LONG_COUNT))  # each once: no redelivery
+    last = broker.client.xrevrange(broker.keys.log(TOPIC, 0), count=1)[0][0]
+    assert group_position(broker) == (last.decode() if isinstance(last, bytes) else last)
+    assert migration_noise(caplog.records) == []

@@ -444,6 +444,16 @@ def record_args(commit: Commit) -> list[Any]:
     return args
 
 
+def parked_and_held(keys: KeySpace, lease: Lease, records: Commit) -> tuple[str, ...]:
+    """The parked-keys and held-messages hashes, declared only when the call writes them: both
+    are usually absent, and while a slot migrates the cluster answers TRYAGAIN to a script that
+    declares a key its node does not hold, for as long as the migration lasts."""
+    if not (records.parked or records.held or records.unheld):
+        return ()
+    topic, p, group = lease.topic, lease.partition, lease.group
+    return (keys.parked_keys(topic, p, group), keys.held_messages(topic, p, group))
+
+
 def commit_position(keys: KeySpace, lease: Lease, commit: Commit) -> ScriptCall[Any]:
     """commit_position.lua: the position and what changed with it, under the lease."""
     topic, p, group = lease.topic, lease.partition, lease.group
@@ -464,8 +474,7 @@ def commit_position(keys: KeySpace, lease: Lease, commit: Commit) -> ScriptCall[
             keys.log(topic, p),
             keys.lease(topic, p, group),
             keys.group_partition_state(topic, p, group),
-            keys.parked_keys(topic, p, group),
-            keys.held_messages(topic, p, group),
+            *parked_and_held(keys, lease, commit),
         ),
         args,
         topic=topic,

@@ -9,7 +9,7 @@ from typing import Any
 
 from redisq.keys import KeySpace
 from redisq.protocol import Command, ScriptCall, Step, text
-from redisq.protocol.group import Commit, Lease, record_args
+from redisq.protocol.group import Commit, Lease, parked_and_held, record_args
 from redisq.protocol.produce import BatchResult
 from redisq.protocol.resp import decode_bulks
 from redisq.topic import TopicConfig
@@ -341,8 +341,7 @@ def hold_input(
         (
             keys.lease(topic, p, group),
             keys.group_partition_state(topic, p, group),
-            keys.parked_keys(topic, p, group),
-            keys.held_messages(topic, p, group),
+            *parked_and_held(keys, lease, position.records),
         ),
         (lease.value, tx_id, position.commit_seq, *record_args(position.records)),
         topic=topic,
