@@ -5,6 +5,7 @@ set), the hook says so and the wheel is pure Python, where redisq decodes in Pyt
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -52,13 +53,21 @@ def compile_extension(root: Path, scratch: Path) -> Path:
     """setuptools' build_ext: the platform's compiler and flags, as for any C extension."""
     from setuptools import Distribution, Extension
 
+    digest = hashlib.sha256((root / SOURCE).read_bytes()).hexdigest()
     here = os.getcwd()
     os.chdir(root)
     try:
         dist = Distribution(
             {
                 "name": "redisq-speedups",
-                "ext_modules": [Extension("redisq._speedups", [SOURCE], optional=False)],
+                "ext_modules": [
+                    Extension(
+                        "redisq._speedups",
+                        [SOURCE],
+                        # redisq.native uses the module only with the source it was built from
+                        define_macros=[("REDISQ_SOURCE_SHA256", f'"{digest}"')],
+                    )
+                ],
             }
         )
         command: Any = dist.get_command_obj("build_ext")

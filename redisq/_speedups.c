@@ -349,4 +349,13 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }
+#ifndef REDISQ_SOURCE_SHA256
+#define REDISQ_SOURCE_SHA256 "" /* compiled by hand: redisq.native does not use it */
+#endif
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_SHA256", REDISQ_SOURCE_SHA256) < 0)
+        Py_CLEAR(m);
+    return m;
+}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any, Protocol
 
+from redisq import native
 from redisq.errors import RedisqError
 
 _NAME_LEN = struct.Struct(">H")
@@ -584,11 +585,8 @@ class _Decoder(Protocol):
 
 # decode_entries: redisq._speedups' C decoder when it was built (hatch_build.py), 3-4 times
 # faster per entry; it hands every entry outside the plain layouts to decode_entries_py.
-decode_entries: _Decoder
-try:
-    from redisq import _speedups
-except ImportError:  # built without a compiler: pure Python
-    decode_entries = decode_entries_py
-else:
+decode_entries: _Decoder = decode_entries_py
+_speedups = native.load()
+if _speedups is not None:
     _speedups.set_layout(Message, _MESSAGE_FIELDS, decode_entries_py)
     decode_entries = _speedups.decode_entries

@@ -271,3 +271,37 @@ def raw_reply(broker: redisq.Broker, key: str, *command: Any) -> Any:
         return conn.read_response()
     finally:
         client.connection_pool.release(conn)
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_a_build_from_another_source_is_not_used(tmp_path: Any, changed: bool) -> None:
+    """An editable install whose _speedups.c changed after it was compiled would decode by old
+    rules: redisq says so and decodes in pure Python until it is rebuilt."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(records.__file__).parent
+    shutil.copytree(package, tmp_path / "redisq", ignore=shutil.ignore_patterns("__pycache__"))
+    if changed:
+        with open(tmp_path / "redisq" / "_speedups.c", "a") as source:
+            source.write("/* changed after the build */\n")
+    probe = "import redisq.records as r; print(r.__file__); print(r.decode_entries.__name__)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    where, decoder = done.stdout.split()
+    assert where == str(tmp_path / "redisq" / "records.py")
+    if changed:
+        assert decoder == "decode_entries_py"
+        assert "was built from another _speedups.c: rebuild it" in done.stderr
+    else:
+        assert decoder == "decode_entries"
+        assert done.stderr == ""
