@@ -15,42 +15,78 @@
 enum { F_TOPIC, F_PARTITION, F_OFFSET, F_KEY, F_VALUE, F_HEADERS, F_TIMESTAMP, F_PRODUCER,
        F_SEQUENCE, F_MESSAGE_ID, F_ATTEMPT };
 
-static PyTypeObject *message_type = NULL;
-static Py_ssize_t slot_offset[N_FIELDS];
-static PyObject *slow_decode = NULL; /* redisq.records.decode_entries_py */
+/* The Message class, its slots' offsets and the Python decoder. A call of decode_entries works
+ * on its own copy (with references to the class and the decoder): set_layout, called by code
+ * the Python decoder or a finalizer runs, changes the next calls only. */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t offset[N_FIELDS];
+    PyObject *slow; /* redisq.records.decode_entries_py */
+} layout_t;
+
+static layout_t layout = {NULL, {0}, NULL};
 
 #define MAX_ID_FIELD 9223372036854775807ULL
 
 /* set_layout(message_type, names, slow): the Message class, its slot names in the order of
- * the enum above, and the Python decoder for the entries this module does not take. */
+ * the enum above, and the Python decoder for the entries this module does not take. Each name
+ * must be a writable object slot of the class itself (a member descriptor in its own dict,
+ * defined by the class or a base, inside its instances), each slot named once; on any error
+ * the layout in use is kept. */
 static PyObject *set_layout(PyObject *self, PyObject *args) {
-    PyObject *type, *names, *slow;
-    if (!PyArg_ParseTuple(args, "O!O!O:set_layout", &PyType_Type, &type, &PyTuple_Type, &names,
-                          &slow))
+    PyObject *type_obj, *names, *slow;
+    if (!PyArg_ParseTuple(args, "O!O!O:set_layout", &PyType_Type, &type_obj, &PyTuple_Type,
+                          &names, &slow))
         return NULL;
+    PyTypeObject *type = (PyTypeObject *)type_obj;
     if (PyTuple_GET_SIZE(names) != N_FIELDS) {
         PyErr_SetString(PyExc_ValueError, "set_layout: wrong number of slot names");
         return NULL;
     }
+    if (type->tp_itemsize != 0 || type->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "set_layout: not a class of fixed-size instances");
+        return NULL;
+    }
+    layout_t new = {type, {0}, slow};
     for (Py_ssize_t i = 0; i < N_FIELDS; i++) {
-        PyObject *descr = PyDict_GetItemWithError(((PyTypeObject *)type)->tp_dict,
-                                                  PyTuple_GET_ITEM(names, i));
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        if (!PyUnicode_CheckExact(name)) {
+            PyErr_Format(PyExc_TypeError, "set_layout: slot names must be str, not %R", name);
+            return NULL;
+        }
+        PyObject *descr = PyDict_GetItemWithError(type->tp_dict, name);
         if (descr == NULL || Py_TYPE(descr) != &PyMemberDescr_Type) {
             if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "set_layout: %R is not a slot", PyTuple_GET_ITEM(names, i));
+                PyErr_Format(PyExc_TypeError, "set_layout: %R is not a slot", name);
             return NULL;
         }
-        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        PyMemberDescrObject *member_descr = (PyMemberDescrObject *)descr;
+        PyMemberDef *member = member_descr->d_member;
         if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
-            PyErr_Format(PyExc_TypeError, "set_layout: %R is not an object slot", PyTuple_GET_ITEM(names, i));
+            PyErr_Format(PyExc_TypeError, "set_layout: %R is not an object slot", name);
             return NULL;
         }
-        slot_offset[i] = member->offset;
+        if (!PyType_IsSubtype(type, PyDescr_TYPE(member_descr)) ||
+            member->offset < (Py_ssize_t)sizeof(PyObject) ||
+            member->offset > type->tp_basicsize - (Py_ssize_t)sizeof(PyObject *)) {
+            PyErr_Format(PyExc_TypeError, "set_layout: %R is a slot of another class", name);
+            return NULL;
+        }
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (new.offset[j] == member->offset) {
+                PyErr_Format(PyExc_ValueError, "set_layout: slot %R named twice", name);
+                return NULL;
+            }
+        new.offset[i] = member->offset;
     }
-    Py_INCREF(type);
-    Py_XSETREF(message_type, (PyTypeObject *)type);
-    Py_INCREF(slow);
-    Py_XSETREF(slow_decode, slow);
+    /* Everything in place before the old class and decoder are released (which may run
+     * code). */
+    layout_t old = layout;
+    Py_INCREF(new.type);
+    Py_INCREF(new.slow);
+    layout = new;
+    Py_XDECREF(old.type);
+    Py_XDECREF(old.slow);
     Py_RETURN_NONE;
 }
 
@@ -91,11 +127,10 @@ static PyObject *id_field(PyObject *raw) {
 }
 
 #define SET(obj, field, value) \
-    (*(PyObject **)((char *)(obj) + slot_offset[field]) = (value))
+    (*(PyObject **)((char *)(obj) + lay->offset[field]) = (value))
 
-/* One entry as a Message (a new reference), or NULL: with an exception set when something
- * failed, without one when the entry is for the Python decoder. The caches hold the last
- * millisecond and producer id seen (entries of one read mostly share them). */
+/* The caches hold the last millisecond and producer id seen (entries of one read mostly share
+ * them). */
 typedef struct {
     unsigned long long ms;
     PyObject *ms_obj;  /* owned */
@@ -103,28 +138,43 @@ typedef struct {
     PyObject *pid_obj; /* owned */
 } caches;
 
-static PyObject *decode_one(PyObject *topic, PyObject *partition, PyObject *entry,
-                            PyObject *attempt, caches *c) {
+/* decode_entries_py's first steps for one entry: `for entry_id, flat in entries`, then
+ * entry_id.decode(). When the entry is an exact tuple or list of two whose ID is exact bytes
+ * of a stream ID this module takes (ASCII, decimal milliseconds below 2**64 before the first
+ * dash), those steps run no Python code and cannot fail: 1, with the ID, the fields (borrowed)
+ * and the milliseconds. Else 0: the entry is for the Python decoder, whole. */
+static int unpack(PyObject *entry, PyObject **entry_id, PyObject **flat, unsigned long long *ms) {
     if (!PyTuple_CheckExact(entry) && !PyList_CheckExact(entry))
-        return NULL;
+        return 0;
     if (PySequence_Fast_GET_SIZE(entry) != 2)
-        return NULL;
-    PyObject *entry_id = PySequence_Fast_GET_ITEM(entry, 0);
-    PyObject *flat = PySequence_Fast_GET_ITEM(entry, 1);
-    if (!PyBytes_CheckExact(entry_id) || !PyList_CheckExact(flat))
-        return NULL;
-    const char *id = PyBytes_AS_STRING(entry_id);
-    Py_ssize_t id_len = PyBytes_GET_SIZE(entry_id);
+        return 0;
+    PyObject *id_obj = PySequence_Fast_GET_ITEM(entry, 0);
+    if (!PyBytes_CheckExact(id_obj))
+        return 0;
+    const char *id = PyBytes_AS_STRING(id_obj);
+    Py_ssize_t id_len = PyBytes_GET_SIZE(id_obj);
     Py_ssize_t dash = 0;
     while (dash < id_len && id[dash] != '-')
         dash++;
-    unsigned long long ms;
-    if (dash == id_len || parse_digits(id, dash, 20, ULLONG_MAX, &ms) < 0)
-        return NULL;
+    if (dash == id_len || parse_digits(id, dash, 20, ULLONG_MAX, ms) < 0)
+        return 0;
     for (Py_ssize_t i = dash + 1; i < id_len; i++)
         if ((unsigned char)id[i] >= 0x80)
-            return NULL;
+            return 0;
+    *entry_id = id_obj;
+    *flat = PySequence_Fast_GET_ITEM(entry, 1);
+    return 1;
+}
 
+/* One entry's Message (a new reference), or NULL: with an exception set when something failed,
+ * without one when the fields are for the Python decoder. entry_id and flat are held by the
+ * caller. The fields picked are held from the moment they are read: the allocations below may
+ * run the collector, whose finalizers may run any code (emptying `flat`, say). */
+static PyObject *decode_one(const layout_t *lay, PyObject *topic, PyObject *partition,
+                            PyObject *entry_id, PyObject *flat, unsigned long long ms,
+                            PyObject *attempt, caches *c) {
+    if (!PyList_CheckExact(flat))
+        return NULL;
     PyObject **f = PySequence_Fast_ITEMS(flat);
     PyObject *key = Py_None, *value, *producer_raw, *sequence_raw = NULL, *message_id = Py_None;
     switch (PyList_GET_SIZE(flat)) {
@@ -164,7 +214,8 @@ static PyObject *decode_one(PyObject *topic, PyObject *partition, PyObject *entr
     default:
         return NULL;
     }
-
+    /* Nothing above or in the parsing below runs Python code or the collector (ints and str
+     * are not tracked by it); from PyDict_New on, the fields are held. */
     PyObject *producer_id = Py_None, *sequence = Py_None;
     if (producer_raw != NULL) {
         if (c->pid_raw != NULL && (c->pid_raw == producer_raw ||
@@ -189,152 +240,238 @@ static PyObject *decode_one(PyObject *topic, PyObject *partition, PyObject *entr
             return NULL;
     } else
         Py_INCREF(sequence);
+    Py_INCREF(producer_id);
+    Py_INCREF(key);
+    Py_INCREF(value);
+    Py_INCREF(message_id);
+    PyObject *offset = NULL, *headers = NULL, *m = NULL;
     if (c->ms_obj == NULL || c->ms != ms) {
-        PyObject *m = PyLong_FromUnsignedLongLong(ms);
-        if (m == NULL)
-            goto fail_sequence;
-        Py_XSETREF(c->ms_obj, m);
+        PyObject *ms_obj = PyLong_FromUnsignedLongLong(ms);
+        if (ms_obj == NULL)
+            goto fail;
+        Py_XSETREF(c->ms_obj, ms_obj);
         c->ms = ms;
     }
-    PyObject *offset = PyUnicode_DecodeASCII(id, id_len, NULL);
+    PyObject *timestamp = Py_NewRef(c->ms_obj);
+    offset = PyUnicode_DecodeASCII(PyBytes_AS_STRING(entry_id), PyBytes_GET_SIZE(entry_id), NULL);
     if (offset == NULL)
-        goto fail_sequence;
-    PyObject *headers = PyDict_New();
+        goto fail_timestamp;
+    headers = PyDict_New();
     if (headers == NULL)
-        goto fail_offset;
-    PyObject *m = message_type->tp_alloc(message_type, 0);
+        goto fail_timestamp;
+    m = lay->type->tp_alloc(lay->type, 0);
     if (m == NULL)
-        goto fail_headers;
-    Py_INCREF(topic);
-    SET(m, F_TOPIC, topic);
-    Py_INCREF(partition);
-    SET(m, F_PARTITION, partition);
+        goto fail_timestamp;
+    SET(m, F_TOPIC, Py_NewRef(topic));
+    SET(m, F_PARTITION, Py_NewRef(partition));
     SET(m, F_OFFSET, offset);
-    Py_INCREF(key);
     SET(m, F_KEY, key);
-    Py_INCREF(value);
     SET(m, F_VALUE, value);
     SET(m, F_HEADERS, headers);
-    Py_INCREF(c->ms_obj);
-    SET(m, F_TIMESTAMP, c->ms_obj);
-    Py_INCREF(producer_id);
+    SET(m, F_TIMESTAMP, timestamp);
     SET(m, F_PRODUCER, producer_id);
     SET(m, F_SEQUENCE, sequence);
-    Py_INCREF(message_id);
     SET(m, F_MESSAGE_ID, message_id);
-    Py_INCREF(attempt);
-    SET(m, F_ATTEMPT, attempt);
+    SET(m, F_ATTEMPT, Py_NewRef(attempt));
     return m;
-fail_headers:
-    Py_DECREF(headers);
-fail_offset:
-    Py_DECREF(offset);
-fail_sequence:
+fail_timestamp:
+    Py_DECREF(timestamp);
+fail:
+    Py_XDECREF(headers);
+    Py_XDECREF(offset);
+    Py_DECREF(producer_id);
+    Py_DECREF(key);
+    Py_DECREF(value);
+    Py_DECREF(message_id);
     Py_DECREF(sequence);
     return NULL;
 }
 
-/* decode_entries(topic, partition, entries, deliveries=None) -> list[Message] */
+/* deliveries[i] as decode_entries_py reads it (a new reference, or NULL with the exception it
+ * raises). */
+static PyObject *delivery_at(PyObject *deliveries, Py_ssize_t i) {
+    if ((PyList_CheckExact(deliveries) || PyTuple_CheckExact(deliveries)) &&
+        i < PySequence_Fast_GET_SIZE(deliveries))
+        return Py_NewRef(PySequence_Fast_GET_ITEM(deliveries, i));
+    PyObject *index = PyLong_FromSsize_t(i);
+    if (index == NULL)
+        return NULL;
+    PyObject *d = PyObject_GetItem(deliveries, index);
+    Py_DECREF(index);
+    return d;
+}
+
+/* DeliveryAt(deliveries, i)[0] is deliveries[i], read when the Python decoder reads it: after
+ * it unpacked the entry and made its offset (which may run code that changes deliveries, or
+ * raise first). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *deliveries;
+    Py_ssize_t index;
+} DeliveryAt;
+
+static PyObject *delivery_at_getitem(DeliveryAt *self, PyObject *key) {
+    return delivery_at(self->deliveries, self->index);
+}
+
+static int delivery_at_traverse(DeliveryAt *self, visitproc visit, void *arg) {
+    Py_VISIT(self->deliveries);
+    return 0;
+}
+
+static int delivery_at_clear(DeliveryAt *self) {
+    Py_CLEAR(self->deliveries);
+    return 0;
+}
+
+static void delivery_at_dealloc(DeliveryAt *self) {
+    PyObject_GC_UnTrack(self);
+    delivery_at_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMappingMethods delivery_at_mapping = {NULL, (binaryfunc)delivery_at_getitem, NULL};
+
+static PyTypeObject DeliveryAtType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "redisq._speedups.DeliveryAt",
+    .tp_basicsize = sizeof(DeliveryAt),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)delivery_at_dealloc,
+    .tp_traverse = (traverseproc)delivery_at_traverse,
+    .tp_clear = (inquiry)delivery_at_clear,
+    .tp_as_mapping = &delivery_at_mapping,
+};
+
+/* The Python decoder on one entry, its Messages appended to result: 0, or -1 with an
+ * exception. deliveries: None, or what it indexes with 0. */
+static int decode_slow(const layout_t *lay, PyObject *topic, PyObject *partition, PyObject *entry,
+                       PyObject *deliveries, PyObject *result) {
+    PyObject *single = PyList_New(1);
+    if (single == NULL)
+        return -1;
+    PyList_SET_ITEM(single, 0, Py_NewRef(entry));
+    PyObject *decoded =
+        PyObject_CallFunctionObjArgs(lay->slow, topic, partition, single, deliveries, NULL);
+    Py_DECREF(single);
+    if (decoded == NULL)
+        return -1;
+    int bad = PyList_SetSlice(result, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, decoded);
+    Py_DECREF(decoded);
+    return bad;
+}
+
+/* One entry of decode_entries, in the order decode_entries_py takes its steps: 0, or -1 with an
+ * exception. */
+static int decode_entry(const layout_t *lay, PyObject *topic, PyObject *partition,
+                        PyObject *entry, PyObject *deliveries, Py_ssize_t i, PyObject *one,
+                        caches *c, PyObject *result) {
+    PyObject *entry_id, *flat;
+    unsigned long long ms;
+    if (!unpack(entry, &entry_id, &flat, &ms)) {
+        /* The Python decoder unpacks it (any code, any error) before it reads deliveries[i]. */
+        if (deliveries == Py_None)
+            return decode_slow(lay, topic, partition, entry, Py_None, result);
+        DeliveryAt *at = PyObject_GC_New(DeliveryAt, &DeliveryAtType);
+        if (at == NULL)
+            return -1;
+        at->deliveries = Py_NewRef(deliveries);
+        at->index = i;
+        PyObject_GC_Track(at);
+        int r = decode_slow(lay, topic, partition, entry, (PyObject *)at, result);
+        Py_DECREF(at);
+        return r;
+    }
+    /* Held as the Python decoder's loop variables hold them: reading deliveries[i] may run code
+     * that changes the entry. */
+    Py_INCREF(entry_id);
+    Py_INCREF(flat);
+    PyObject *attempt = deliveries == Py_None ? Py_NewRef(one) : delivery_at(deliveries, i);
+    int r = -1;
+    if (attempt == NULL)
+        goto done;
+    int fast = 1;
+    if (deliveries != Py_None) {
+        /* max(1, int(d)) of an int from 1 to LONG_MAX is d; the Python decoder says the rest. */
+        int overflow;
+        fast = PyLong_CheckExact(attempt) &&
+               PyLong_AsLongAndOverflow(attempt, &overflow) >= 1 && !overflow;
+    }
+    PyObject *m = fast ? decode_one(lay, topic, partition, entry_id, flat, ms, attempt, c) : NULL;
+    if (m != NULL) {
+        r = PyList_Append(result, m);
+        Py_DECREF(m);
+    } else if (!PyErr_Occurred()) {
+        /* deliveries[i] was read: the Python decoder gets the value read, and the entry as it
+         * was unpacked. */
+        PyObject *pair = PyTuple_Pack(2, entry_id, flat);
+        PyObject *given = deliveries == Py_None ? Py_NewRef(Py_None) : PyList_New(1);
+        if (pair != NULL && given != NULL) {
+            if (given != Py_None)
+                PyList_SET_ITEM(given, 0, Py_NewRef(attempt));
+            r = decode_slow(lay, topic, partition, pair, given, result);
+        }
+        Py_XDECREF(pair);
+        Py_XDECREF(given);
+    }
+    Py_DECREF(attempt);
+done:
+    Py_DECREF(entry_id);
+    Py_DECREF(flat);
+    return r;
+}
+
+/* decode_entries(topic, partition, entries, deliveries=None) -> list[Message]
+ *
+ * entries is iterated as decode_entries_py iterates it (a list it is given, not a copy: the
+ * Python decoder's code may add or remove entries) and deliveries indexed as it indexes them,
+ * entry by entry. */
 static PyObject *decode_entries(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"topic", "partition", "entries", "deliveries", NULL};
     PyObject *topic, *partition, *given, *deliveries = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:decode_entries", keywords, &topic,
                                      &partition, &given, &deliveries))
         return NULL;
-    if (message_type == NULL) {
+    if (layout.type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "decode_entries: set_layout() was not called");
         return NULL;
     }
-    PyObject *entries = PySequence_Fast(given, "decode_entries: entries must be a sequence");
-    if (entries == NULL)
-        return NULL;
-    PyObject *seen = NULL;
-    if (deliveries != Py_None) {
-        seen = PySequence_Fast(deliveries, "decode_entries: deliveries must be a sequence");
-        if (seen == NULL) {
-            Py_DECREF(entries);
-            return NULL;
-        }
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(entries);
-    PyObject *result = PyList_New(0);
-    PyObject *one = PyLong_FromLong(1);
+    layout_t lay = layout;
+    Py_INCREF(lay.type);
+    Py_INCREF(lay.slow);
+    PyObject *result = NULL, *one = NULL;
     caches c = {0, NULL, NULL, NULL};
+    PyObject *it = PyObject_GetIter(given);
+    if (it == NULL)
+        goto fail;
+    result = PyList_New(0);
+    one = PyLong_FromLong(1);
     if (result == NULL || one == NULL)
         goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *entry = PySequence_Fast_GET_ITEM(entries, i);
-        PyObject *attempt = one;
-        int fast = 1;
-        if (seen != NULL) {
-            if (i >= PySequence_Fast_GET_SIZE(seen))
-                fast = 0;
-            else {
-                attempt = PySequence_Fast_GET_ITEM(seen, i);
-                if (!PyLong_CheckExact(attempt))
-                    fast = 0;
-                else {
-                    int overflow;
-                    long v = PyLong_AsLongAndOverflow(attempt, &overflow);
-                    if (overflow || v < 1)
-                        fast = 0; /* max(1, int(...)): the Python decoder says */
-                }
-            }
-        }
-        PyObject *m = fast ? decode_one(topic, partition, entry, attempt, &c) : NULL;
-        if (m == NULL) {
+    for (Py_ssize_t i = 0;; i++) {
+        PyObject *entry = PyIter_Next(it);
+        if (entry == NULL) {
             if (PyErr_Occurred())
                 goto fail;
-            PyObject *delivery = seen == NULL ? Py_None : NULL;
-            if (seen != NULL) {
-                delivery = PyList_New(1);
-                if (delivery == NULL)
-                    goto fail;
-                PyObject *d = i < PySequence_Fast_GET_SIZE(seen) ? PySequence_Fast_GET_ITEM(seen, i) : Py_None;
-                Py_INCREF(d);
-                PyList_SET_ITEM(delivery, 0, d);
-            } else
-                Py_INCREF(delivery);
-            PyObject *single = PyList_New(1);
-            if (single == NULL) {
-                Py_DECREF(delivery);
-                goto fail;
-            }
-            Py_INCREF(entry);
-            PyList_SET_ITEM(single, 0, entry);
-            PyObject *decoded = PyObject_CallFunctionObjArgs(slow_decode, topic, partition, single,
-                                                             delivery, NULL);
-            Py_DECREF(single);
-            Py_DECREF(delivery);
-            if (decoded == NULL)
-                goto fail;
-            int bad = PyList_SetSlice(result, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, decoded);
-            Py_DECREF(decoded);
-            if (bad < 0)
-                goto fail;
-            continue;
+            break;
         }
-        int bad = PyList_Append(result, m);
-        Py_DECREF(m);
+        int bad = decode_entry(&lay, topic, partition, entry, deliveries, i, one, &c, result);
+        Py_DECREF(entry);
         if (bad < 0)
             goto fail;
     }
-    Py_DECREF(entries);
-    Py_XDECREF(seen);
-    Py_XDECREF(one);
-    Py_XDECREF(c.ms_obj);
-    Py_XDECREF(c.pid_raw);
-    Py_XDECREF(c.pid_obj);
-    return result;
+    goto done;
 fail:
-    Py_DECREF(entries);
-    Py_XDECREF(seen);
+    Py_CLEAR(result);
+done:
+    Py_XDECREF(it);
     Py_XDECREF(one);
-    Py_XDECREF(result);
     Py_XDECREF(c.ms_obj);
     Py_XDECREF(c.pid_raw);
     Py_XDECREF(c.pid_obj);
-    return NULL;
+    Py_DECREF(lay.type);
+    Py_DECREF(lay.slow);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -354,6 +491,8 @@ static struct PyModuleDef module = {
 #endif
 
 PyMODINIT_FUNC PyInit__speedups(void) {
+    if (PyType_Ready(&DeliveryAtType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_SHA256", REDISQ_SOURCE_SHA256) < 0)
         Py_CLEAR(m);
