@@ -375,7 +375,10 @@ def decode_entries_py(
     messages: list[Message] = []
     append = messages.append
     new = object.__new__
-    ms_prefix = "\0"
+    # The millisecond cache: "<digits>-" and its int. Only a prefix that parsed is kept, so an
+    # entry decodes as it would alone (redisq._speedups hands entries to this function one at
+    # a time): no ID is taken without being parsed, none gets another entry's milliseconds.
+    ms_prefix = "0-"
     ms = 0
     producer_ids: dict[Any, int | None] = {}
     max_id = MAX_ID_FIELD
@@ -388,10 +391,9 @@ def decode_entries_py(
             if not offset.startswith(ms_prefix):
                 dash = offset.find("-")
                 if dash <= 0 or not offset[:dash].isdigit():
-                    ms_prefix = "\0"
                     raise ValueError(offset)
+                ms = int(offset[:dash])  # ValueError for some isdigit() ones, as "\u00b2"
                 ms_prefix = offset[: dash + 1]
-                ms = int(offset[:dash])
             blob = message_id = sequence = created = None
             # The layout idempotence="sequence" writes (the default), told without building a
             # list of the names (one allocation less per entry for the collector to count).
@@ -430,9 +432,14 @@ def decode_entries_py(
                         raise ValueError(offset)
                     created = int(stamp)
             if producer_id is not None:
-                pid = producer_ids.get(producer_id, _MISSING)
-                if pid is _MISSING:
-                    pid = producer_ids[producer_id] = parse_id_field(producer_id)
+                # Cached for plain bytes only: other objects equal to cached ones may parse
+                # otherwise (a bytes subclass, an __eq__), so each entry decodes as it would alone.
+                if type(producer_id) is bytes:
+                    pid = producer_ids.get(producer_id, _MISSING)
+                    if pid is _MISSING:
+                        pid = producer_ids[producer_id] = parse_id_field(producer_id)
+                else:
+                    pid = parse_id_field(producer_id)
                 if pid is None:
                     raise ValueError(offset)
             else:

@@ -214,6 +214,46 @@ def test_a_deliveries_list_mutated_by_the_fallback() -> None:
     same_fresh(make)
 
 
+# -- the Python decoder's caches: one call over many entries = one call per entry ----------------
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [b"7-1", b"\x00-1"],  # "\0" was the empty millisecond cache
+        [b"7-1", "\x00-1"],
+        ["\x00-1", b"7-1", "\x00-2"],
+        ["\u00b2-1", "\u00b2-2"],  # "²".isdigit() but int("²") fails
+        [b"7-1", "\u00b2-1"],
+        [b"7-1", "\u0663-1", b"3-1", "\u0663-2"],  # Arabic-Indic 3: int() takes it
+        [b"7-1", b"7-", b"7", b"-7", b"", b"7-2"],
+    ],
+    ids=repr,
+)
+def test_odd_entry_ids_in_one_call(ids: list[Any]) -> None:
+    entries = [(entry_id, P) for entry_id in ids]
+    whole = same("t", 0, entries)
+    assert whole == [m for e in entries for m in outcome(decode_entries_py, "t", 0, [e])]
+
+
+def test_the_producer_id_cache_takes_plain_bytes_only() -> None:
+    class NotDigits(bytes):
+        def isdigit(self) -> bool:
+            return False
+
+    class EqualToAll:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __hash__(self) -> int:
+            return hash(b"12")
+
+    for odd in (NotDigits(b"12"), EqualToAll(), "12", bytearray(b"12")):
+        second = list(P)
+        second[5] = odd
+        entries = [(b"7-1", P), (b"7-2", second)]
+        whole = same("t", 0, entries)
+        assert whole == [m for e in entries for m in outcome(decode_entries_py, "t", 0, [e])]
+
+
 # -- crashes: in a subprocess --------------------------------------------------------------------
 def run_isolated(code: str) -> subprocess.CompletedProcess[str]:
     prelude = """\
