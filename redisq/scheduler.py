@@ -260,9 +260,19 @@ def scheduler_round(
 
 
 def release_round(core: SchedulerCore, keys: KeySpace) -> Operation[None]:
+    """Hand back every lease held, pipelined. A release the server refused is logged (that
+    lease runs out by itself); one another client holds by now was not ours to hand back."""
     releases = core.release_calls(keys)
     if releases:
-        yield list(releases)
+        results = yield list(releases)
+        refused = [r for r in results if isinstance(r, Exception) and not isinstance(r, LeaseLost)]
+        if refused:
+            log.warning(
+                "scheduler: could not hand back %d of its %d leases (they run out anyway): %s",
+                len(refused),
+                len(releases),
+                refused[0],
+            )
 
 
 class Scheduler:
