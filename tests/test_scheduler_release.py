@@ -34,13 +34,19 @@ def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "could not hand back" in r.getMessage()]
 
 
-def test_a_refused_hand_back_is_logged(
-    broker: redisq.Broker, caplog: pytest.LogCaptureFixture
-) -> None:
+def holding(broker: redisq.Broker, caplog: pytest.LogCaptureFixture) -> tuple[str, Scheduler]:
+    """A thread scheduler holding the lease of scheduled(); its warnings captured."""
     lease = scheduled(broker)
     caplog.set_level(logging.WARNING, logger="redisq.scheduler")
     scheduler = Scheduler(broker, ["orders"])
     wait_until(lambda: broker.client.exists(lease), what="the scheduler's lease")
+    return lease, scheduler
+
+
+def test_a_refused_hand_back_is_logged(
+    broker: redisq.Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    lease, scheduler = holding(broker, caplog)
     spoil(broker, lease)
     scheduler.close(timeout=10)
     (said,) = refusals(caplog)
@@ -51,10 +57,7 @@ def test_a_lease_another_client_holds_is_not_a_refusal(
     broker: redisq.Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The lease ran out and another scheduler took it: nothing of ours to hand back."""
-    lease = scheduled(broker)
-    caplog.set_level(logging.WARNING, logger="redisq.scheduler")
-    scheduler = Scheduler(broker, ["orders"])
-    wait_until(lambda: broker.client.exists(lease), what="the scheduler's lease")
+    lease, scheduler = holding(broker, caplog)
     broker.client.set(lease, "someone-else", px=60_000)
     scheduler.close(timeout=10)
     assert refusals(caplog) == []
