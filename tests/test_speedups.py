@@ -22,18 +22,6 @@ _speedups = pytest.importorskip("redisq._speedups")
 fast = _speedups.decode_entries
 
 
-def test_the_c_decoder_is_what_redisq_reads_with() -> None:
-    """CI installs with a compiler: a build that silently fell back to pure Python would read
-    3-4 times slower per entry without anyone noticing."""
-    assert records.decode_entries is fast
-    from redisq import chunks, partition
-    from redisq.asyncio import consumer as async_consumer
-
-    assert chunks.decode_entries is fast
-    assert partition.decode_entries is fast
-    assert async_consumer.decode_entries is fast
-
-
 def outcome(fn: Any, *args: Any) -> Any:
     """What fn gives: each Message with its class and every field's type and value, or the
     exception's type."""
