@@ -23,10 +23,12 @@ class SpeedupsHook(BuildHookInterface):  # type: ignore[type-arg]
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        name = "_speedups" + sysconfig.get_config_var("EXT_SUFFIX")
         if os.environ.get("REDISQ_NO_EXTENSIONS"):
             self.app.display_info("redisq: REDISQ_NO_EXTENSIONS is set: the pure-Python decoder")
+            if version == "editable":  # an earlier editable build's module would still load
+                Path(self.root, "redisq", name).unlink(missing_ok=True)
             return
-        name = "_speedups" + sysconfig.get_config_var("EXT_SUFFIX")
         self.scratch = tempfile.mkdtemp(prefix="redisq-speedups-")
         try:
             built = compile_extension(Path(self.root), Path(self.scratch))
