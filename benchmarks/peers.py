@@ -23,7 +23,9 @@ then reads them back in order; each runs R times, interleaved, and the median co
   consume, in order
     raw XREADGROUP    COUNT 1000 + XACK per batch over the raw variant's 4 streams
     redisq            an orderly group through run(handler) (the 4-partition sequence topic),
-                      and through poll(max_messages=1000) + ack(batch) (the message_id topic)
+                      through poll(max_messages=1000) + ack(batch) (the message_id topic), and
+                      redisq.asyncio's through run(async handler) (a topic of its own, filled
+                      untimed as the sequence one)
     NATS JetStream    a durable pull consumer, fetch(1000), AckAll on the last of each batch
     RabbitMQ Streams  rstream consumer from the first offset, storing its offset every 1000
 
@@ -154,6 +156,7 @@ class RedisSide:
     """The raw and redisq variants on one server; produce leaves its data for consume."""
 
     def __init__(self, url: str, work: Workload) -> None:
+        self.url = url
         self.broker = redisq.connect(url, namespace=f"peers-{uuid.uuid4().hex[:6]}")
         self.client: redis.Redis = self.broker.client
         self.label = str(self.broker.server)
@@ -264,6 +267,41 @@ class RedisSide:
         self.broker.delete_topic(topic)
         if handled != n or not finished[0]:
             raise RuntimeError(f"orderly run(): handled {handled:,} of {n:,}")
+        return n / (finished[0] - start), check.verdict(n)
+
+    def redisq_consume_async(self) -> tuple[float, str]:
+        """redisq.asyncio's orderly group through run(async handler), as RabbitMQ's consumer is
+        asyncio: a topic of its own, filled (untimed) as the 4-partition sequence variant."""
+        import redisq.asyncio as rq
+
+        work, n = self.work, self.work.n
+        topic = f"t-{uuid.uuid4().hex[:8]}"
+        self.broker.create_topic(topic, partitions=PARTITIONS)
+        with self.broker.producer() as producer:
+            for key, value in zip(work.keys, work.values, strict=True):
+                producer.send_async(topic, value, key=key)
+        check = OrderCheck()
+        finished = [0.0]
+
+        async def handle(message: redisq.Message) -> None:
+            check.see(message.value)
+            if check.count == n:
+                finished[0] = time.perf_counter()
+
+        async def read() -> float:
+            client = await rq.connect(self.url, namespace=self.broker.namespace)
+            try:
+                consumer = client.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly")
+                start = time.perf_counter()
+                await consumer.run(handle, idle_timeout=3.0)
+                return start
+            finally:
+                await client.close()
+
+        start = asyncio.run(read())
+        self.broker.delete_topic(topic)
+        if not finished[0]:
+            raise RuntimeError(f"asyncio orderly run(): handled {check.count:,} of {n:,}")
         return n / (finished[0] - start), check.verdict(n)
 
     def redisq_consume_poll(self, source: str) -> tuple[float, str]:
@@ -705,6 +743,8 @@ def add_redis(bench: Bench, side: RedisSide, suffix: str) -> None:
         lambda: side.redisq_consume_run("sequence"))  # fmt: skip
     add("consume", "redisq", "redisq orderly group, poll(1000) + ack(batch)",
         lambda: side.redisq_consume_poll("message_id"))  # fmt: skip
+    add("consume", "redisq", "redisq.asyncio orderly group, run(async handler)",
+        side.redisq_consume_async)  # fmt: skip
 
 
 def start_valkey() -> tuple[Any, str]:
