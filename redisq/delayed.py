@@ -42,7 +42,7 @@ from redisq.protocol.produce import ProducerIdentity
 from redisq.protocol.schedule import Scheduled, ScheduleResult
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
-from redisq.sending import MessageEncoder
+from redisq.sending import MessageEncoder, ack_failure
 from redisq.settings import ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
@@ -268,37 +268,33 @@ class DelayedCore:
             )
         s = self.settings
         if s.acks == "replicas":
-            out.append(Command(("WAIT", s.min_replicas, s.ack_timeout_ms)))
+            out.append(Command(("WAIT", s.min_replicas, s.ack_timeout_ms), nodes="written"))
         elif s.acks == "fsync":
-            out.append(Command(("WAITAOF", 1, 0, s.ack_timeout_ms)))
+            out.append(Command(("WAITAOF", 1, 0, s.ack_timeout_ms), nodes="written"))
         for batch in batches:
             batch.sent = True
         return out
 
     def settle(self, batches: list[DelayedBatch], results: list[Any], now: float) -> None:
-        """The replies of a round (steps()), in order."""
-        durable = (
-            self._durable_error(results[len(batches)]) if len(results) > len(batches) else None
-        )
-        for batch, result in zip(batches, results, strict=False):
+        """The replies of a round (steps()), in order. The WAIT / WAITAOF after them answers for
+        the batches of its own node: {batch index: reply}, or one exception for all (no answer)."""
+        leader = self.settings.acks == "leader"
+        acked = {} if leader else results[len(batches)]
+        for i, (batch, result) in enumerate(zip(batches, results, strict=False)):
+            reply = acked if isinstance(acked, BaseException) else acked.get(i)
+            durable: BaseException | None
+            if leader:
+                durable = None
+            elif reply is None:  # not asked on its node: never taken as acknowledged
+                durable = NotEnoughReplicas(f"acks={self.settings.acks}: no answer for the batch")
+            else:
+                durable = ack_failure(reply, self.settings)
             if isinstance(result, ScheduleResult) and durable is None:
                 self._complete(batch, result)
             elif isinstance(result, ScheduleResult):
                 self.failed(batch, durable, now)  # stored, maybe not on a replica: again
             else:
                 self.failed(batch, result, now)
-
-    def _durable_error(self, reply: Any) -> BaseException | None:
-        if isinstance(reply, Exception):
-            return reply
-        count = int(reply[0] if isinstance(reply, list) else reply)
-        needed = self.settings.min_replicas if self.settings.acks == "replicas" else 1
-        if count >= needed:
-            return None
-        return NotEnoughReplicas(
-            f"acks={self.settings.acks}: {count} of {needed} acknowledged within "
-            f"{self.settings.ack_timeout_ms} ms"
-        )
 
     def _complete(self, batch: DelayedBatch, result: ScheduleResult) -> None:
         batch.result = result

@@ -114,11 +114,6 @@ class DelayedSender:
         check_when_types(delay_ms, deliver_at)
         if self._closing:
             raise ProducerClosed("send after close()")
-        if self._broker.is_cluster and self._settings.acks != "leader":
-            raise errors.UnsupportedServer(
-                f'delayed messages with acks="{self._settings.acks}" are not supported on Redis '
-                'Cluster yet; use acks="leader"'
-            )
         config = self._config(topic)
         when_ = when(config, delay_ms, deliver_at)
         identity = self._identity()

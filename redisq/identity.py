@@ -23,29 +23,35 @@ from redisq.protocol.produce import ProducerIdentity
 from redisq.topic import TopicConfig
 
 
-def check_acks(acks: str, *, cluster: bool, server: str) -> Operation[None]:
+def check_acks(acks: str, *, server: str) -> Operation[None]:
     """Refuse, when a producer starts (before it writes anything), an `acks=` the server cannot
     confirm: UnsupportedServer. "replicas" needs WAIT (a server may rename or disable it, or an
     ACL deny it), "fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8) on a server with appendonly
-    yes, and no cluster yet. Each probe returns at once: it waits for nothing."""
+    yes. On Redis Cluster every primary is asked (the producer waits on each primary after its
+    own writes). Each probe returns at once: it waits for nothing."""
     if acks == "leader":
         return
-    if acks == "fsync" and cluster:
-        raise UnsupportedServer(
-            'acks="fsync" is not supported on Redis Cluster yet; use acks="replicas"'
-        )
     probe: tuple[Any, ...] = ("WAIT", 0, 0) if acks == "replicas" else ("WAITAOF", 0, 0, 0)
-    try:
-        yield Command(probe)
-    except redis.ResponseError as exc:
-        needs = "WAIT" if acks == "replicas" else "WAITAOF (Redis >= 7.2, Valkey >= 8)"
-        raise UnsupportedServer(
-            f'acks="{acks}" needs {needs}; {server} refused it: {_first_line(exc)}'
-        ) from exc
+    replies = yield Command(probe, nodes="primaries")
+    for node, reply in replies.items():
+        if isinstance(reply, redis.ResponseError):
+            needs = "WAIT" if acks == "replicas" else "WAITAOF (Redis >= 7.2, Valkey >= 8)"
+            raise UnsupportedServer(
+                f'acks="{acks}" needs {needs}; {_where(server, node)} refused it: '
+                f"{_first_line(reply)}"
+            ) from reply
     if acks == "fsync":
-        aof = yield Command(("INFO", "persistence"), _aof_enabled)
-        if not aof:  # WAITAOF 1 would fail on every batch until the delivery timeout
-            raise UnsupportedServer('acks="fsync" needs the server to run with appendonly yes')
+        aof = yield Command(("INFO", "persistence"), _aof_enabled, nodes="primaries")
+        without = sorted(node for node, enabled in aof.items() if enabled is not True)
+        if without:  # WAITAOF 1 would fail on every batch until the delivery timeout
+            where = ", ".join(_where(server, node) for node in without)
+            raise UnsupportedServer(
+                f'acks="fsync" needs the server to run with appendonly yes ({where} does not)'
+            )
+
+
+def _where(server: str, node: str) -> str:
+    return f"{server}, node {node}" if node else server
 
 
 def _aof_enabled(info: Any) -> bool:

@@ -156,11 +156,7 @@ class Producer:
 
     # -- identity and fencing ------------------------------------------------------------------
     def _check_acks_supported(self) -> None:
-        self._run_operation(
-            identity_ops.check_acks(
-                self.acks, cluster=self.broker.is_cluster, server=self.broker.server
-            )
-        )
+        self._run_operation(identity_ops.check_acks(self.acks, server=self.broker.server))
 
     def _run_operation(self, operation: Operation[T]) -> T:
         return run_operation(operation, self._scripts.execute)

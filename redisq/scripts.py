@@ -132,6 +132,8 @@ class Scripts:
         if isinstance(steps, ScriptCall):
             return self.run(steps)
         if isinstance(steps, Command):
+            if steps.nodes == "primaries":
+                return self._on_primaries(steps)
             return steps.decode(self._client.execute_command(*steps.args))
         if not steps:
             return []
@@ -145,6 +147,18 @@ class Scripts:
                     results.append(exc)
             return results
         return self._pipeline(steps)
+
+    def _on_primaries(self, step: Command[Any]) -> dict[str, Any]:
+        """A command on every primary (Command.nodes "primaries"), one at a time."""
+        out: dict[str, Any] = {}
+        for node in primaries(self._client, self._cluster):
+            options = {} if node is None else {"target_nodes": node}
+            try:
+                reply = self._client.execute_command(*step.args, **options)
+                out[node_name(node)] = step.decode(reply)
+            except ResponseError as exc:
+                out[node_name(node)] = exc
+        return out
 
     def _pipeline(self, steps: list[ScriptCall[Any] | Command[Any]]) -> list[Any]:
         replies = self._raw_pipeline(steps)
@@ -187,6 +201,17 @@ class Scripts:
         NOSCRIPT means the script did not run, so running it again is safe."""
         script = self._scripts[name]
         pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def primaries(client: Any, cluster: bool) -> list[Any]:
+    """The nodes a Command of nodes="primaries" runs on: a cluster's primaries, or [None] (the
+    one server)."""
+    return list(client.get_primaries()) if cluster else [None]
+
+
+def node_name(node: Any) -> str:
+    """A cluster node's "host:port" ("" for the one server)."""
+    return "" if node is None else str(node.name)
 
 
 def pack(script: Script, call: ScriptCall[Any]) -> bytes:

@@ -358,7 +358,7 @@ class Round:
         progress = retry = False
         for node, entries in self.nodes.items():
             node_replies = list(replies[node])
-            durable_error = _durable_error(node_replies.pop(), settings) if self.extra else None
+            durable_error = ack_failure(node_replies.pop(), settings) if self.extra else None
             for entry, reply in zip(entries, node_replies, strict=True):
                 if entry is None:  # the reply to ASKING
                     continue
@@ -390,8 +390,9 @@ class Round:
         return progress, retry
 
 
-def _durable_error(reply: Any, settings: ProducerSettings) -> BaseException | None:
-    """Check the WAIT / WAITAOF reply of a node's round."""
+def ack_failure(reply: Any, settings: ProducerSettings) -> BaseException | None:
+    """What the WAIT / WAITAOF reply of a node's round (acks="replicas" / "fsync") says against
+    the batches written there before it: None if they are acknowledged."""
     if isinstance(reply, Exception):
         return reply
     count = int(reply[0] if isinstance(reply, list) else reply)

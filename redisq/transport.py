@@ -25,7 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from redisq.errors import from_reply
-from redisq.protocol import ScriptCall, Step
+from redisq.protocol import Command, ScriptCall, Step
 from redisq.protocol.resp import command
 
 if TYPE_CHECKING:
@@ -297,7 +297,8 @@ class Router(Protocol):
 class StepRound:
     """Protocol steps as one write per node (no I/O; Transport.execute and AsyncTransport.execute
     do it): a ScriptCall goes to the node of its first key (behind ASKING after an ASK
-    redirection), a Command (WAIT / WAITAOF) to the node of the step before it."""
+    redirection), a Command to the node of the step before it, or, with nodes="written" (WAIT /
+    WAITAOF), to every node written to before it (see redisq.protocol.Command)."""
 
     def __init__(
         self, steps: list[Step], pack: Callable[[ScriptCall[Any]], bytes], router: Router
@@ -305,6 +306,7 @@ class StepRound:
         self.steps = steps
         self._router = router
         self._slots: dict[str, list[int | None]] = {}  # per node, each reply's step (None: ASKING)
+        self._node_of: dict[int, str] = {}  # each step's node
         parts: dict[str, list[bytes]] = {}
         node = ""
         for i, step in enumerate(steps):
@@ -317,10 +319,16 @@ class StepRound:
                     self._slots.setdefault(node, []).append(None)
                 payload = pack(step)
             else:
-                node = node or router.node_for("")
                 payload = command(str(step.args[0]).encode(), step.args[1:])
+                if step.nodes == "written":
+                    for written in dict.fromkeys(self._node_of[j] for j in range(i)):
+                        parts[written].append(payload)
+                        self._slots[written].append(i)
+                    continue
+                node = node or router.node_for("")
             parts.setdefault(node, []).append(payload)
             self._slots.setdefault(node, []).append(i)
+            self._node_of[i] = node
         self.payloads = {node: b"".join(p) for node, p in parts.items()}
 
     def expected(self) -> dict[str, int]:
@@ -331,6 +339,7 @@ class StepRound:
         """The steps' results in order: decoded replies; error replies as our typed errors (or
         redis-py's); a redirection as a ResponseError, after noting an ASK for the next try."""
         out: list[Any] = [None] * len(self.steps)
+        by_node: dict[int, dict[str, Any]] = {}  # a "written" command's result on each node
         for node, slots in self._slots.items():
             for i, reply in zip(slots, replies[node], strict=True):
                 if i is None:  # the reply to ASKING
@@ -339,14 +348,22 @@ class StepRound:
                 if isinstance(reply, Redirect):
                     if reply.kind == "ASK" and isinstance(step, ScriptCall):
                         self._router.note_ask(step.keys[0], reply.node)
-                    out[i] = redis.ResponseError(str(reply))  # did not run: retriable
+                    result: Any = redis.ResponseError(str(reply))  # did not run: retriable
                 elif isinstance(reply, redis.ResponseError):
                     topic = step.topic if isinstance(step, ScriptCall) else "?"
-                    out[i] = from_reply(str(reply), topic) or reply
+                    result = from_reply(str(reply), topic) or reply
                 elif isinstance(reply, Exception):
-                    out[i] = reply
+                    result = reply
                 else:
-                    out[i] = step.decode(reply)
+                    result = step.decode(reply)
+                if isinstance(step, Command) and step.nodes == "written":
+                    by_node.setdefault(i, {})[node] = result
+                else:
+                    out[i] = result
+        for i, step in enumerate(self.steps):
+            if isinstance(step, Command) and step.nodes == "written":
+                results = by_node.get(i, {})  # {}: nothing written before it
+                out[i] = {j: results[self._node_of[j]] for j in range(i) if j in self._node_of}
         return out
 
     def missing_scripts(self, results: list[Any]) -> list[str]:

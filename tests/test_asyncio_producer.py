@@ -816,8 +816,8 @@ def test_sigkill_and_restart_with_aof_during_async_sends(
 
 @aio
 async def test_acks_fsync_needs_waitaof_and_aof(env: Env, backend: str) -> None:
-    """The shared servers: Redis 7.0 has no WAITAOF, the fixture's Valkey runs without AOF, a
-    cluster does not support acks="fsync" yet: start() refuses, before anything is written."""
+    """The shared servers: Redis 7.0 has no WAITAOF, the fixture's Valkey servers (standalone and
+    cluster) run without AOF: start() refuses, before anything is written."""
     async with env.connect() as broker:
         await broker.create_topic("t")
         before = snapshot(env.sync)

@@ -28,7 +28,7 @@ import redis
 import redisq
 from redisq.producer import SendFuture
 from redisq.transport import Redirect, Transport
-from tests.replication import wait_for
+from tests.replication import in_sync, wait_for
 from tests.servers import (
     CLUSTER_NODE_CONFIG,
     ServerProcess,
@@ -461,11 +461,9 @@ def cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[ServerPr
         for primary, replica in zip(primaries, replicas, strict=True):
             with replica.client() as client:
                 client.execute_command("CLUSTER", "REPLICATE", node_id(primary))
-        wait_for(
-            lambda: all(
-                p.client().info("replication").get("connected_slaves") == 1 for p in primaries
-            ),
-            what="every primary to have its replica",
+        wait_for(  # in sync, not only connected: a replica still loading acknowledges nothing
+            lambda: all(in_sync(p, r) for p, r in zip(primaries, replicas, strict=True)),
+            what="every primary to have its replica in sync",
         )
         yield primaries, replicas
     finally:

@@ -23,6 +23,7 @@ from redisq.scheduler import (
 )
 from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
+from redisq.transport import StepRound
 
 KEYS = KeySpace("ns")
 
@@ -172,18 +173,39 @@ def test_a_batch_without_an_answer_goes_again_unchanged_until_its_deadline() -> 
 
 
 def test_refusals_and_replica_acks() -> None:
-    core, _ = sender(acks="replicas", min_replicas=1)
+    core, _ = sender(
+        acks="replicas", min_replicas=1, delivery_timeout_ms=10_000, retry_backoff_ms=100
+    )
     ids = ScheduleIds(ID)
     core.append(CONFIG, 0, message(ids), now=0.0)
     core.append(CONFIG, 1, message(ids), now=0.0)
     batches = core.pick(now=0.01)
     steps = core.steps(KEYS, batches, ID)
     assert [getattr(s, "script", None) for s in steps] == ["schedule", "schedule", None]
+    assert steps[2].nodes == "written"  # WAIT after each node's own writes
     # WAIT answered 0 replicas: stored, maybe not on a replica: both go again.
-    core.settle(batches, [ScheduleResult("0", (1,)), ScheduleResult("0", (1,)), 0], now=0.02)
+    stored = [ScheduleResult("0", (1,)), ScheduleResult("0", (1,))]
+    core.settle(batches, [*stored, {0: 0, 1: 0}], now=0.02)
     assert core.finished == [] and all(isinstance(b.last_error, NotEnoughReplicas) for b in batches)
+    # Each batch is judged by the WAIT of its own node: only the first goes again.
     batches = core.pick(now=1.0 - 0.001)
-    core.settle(batches, [TopicNotFound("orders"), ScheduleResult("1", (5,)), 1], now=0.99)
+    core.settle(batches, [*stored, {0: 0, 1: 1}], now=0.99)
+    assert [b.partition for b in core.finished] == [1]
+    assert isinstance(batches[0].last_error, NotEnoughReplicas)
+    # No WAIT answer for a batch (or the round's connection failed): never acknowledged.
+    batches = core.pick(now=2.0)
+    core.settle(batches, [stored[0], {}], now=2.0)
+    assert "no answer" in str(batches[0].last_error)
+    batches = core.pick(now=4.0)
+    lost = redis.ConnectionError("lost")
+    core.settle(batches, [lost, lost], now=4.0)
+    assert batches[0].last_error is lost and core.finished[1:] == []
+    core.append(CONFIG, 1, message(ids), now=4.0)
+    batches = core.pick(now=6.0)
+    assert [b.partition for b in batches] == [0, 1]
+    core.settle(
+        batches, [TopicNotFound("orders"), ScheduleResult("1", (5,)), {0: 1, 1: 1}], now=6.0
+    )
     assert isinstance(batches[0].error, TopicNotFound)  # not retriable: ends the batch
     assert batches[1].metadata(0).duplicate
     never_sent, _ = sender()
@@ -191,3 +213,35 @@ def test_refusals_and_replica_acks() -> None:
     never_sent.expire(now=2.0)
     [expired] = never_sent.finished
     assert "were not stored" in str(expired.error)
+
+
+class TwoNodes:
+    """A Router that puts partition 1's keys on node "b", every other key on "a"."""
+
+    def node_for(self, key: str) -> str:
+        return "b" if ":1}" in key else "a"
+
+    def asking(self, key: str) -> bool:
+        return False
+
+    def forget_asking(self, key: str) -> None:
+        pass
+
+    def note_ask(self, key: str, node: str) -> None:
+        pass
+
+
+def test_a_written_command_goes_after_each_nodes_writes_and_answers_for_them() -> None:
+    core, _ = sender(acks="replicas", min_replicas=1)
+    ids = ScheduleIds(ID)
+    for p in (0, 1, 2):
+        core.append(CONFIG, p, message(ids), now=0.0)
+    batches = core.pick(now=0.01)
+    steps = core.steps(KEYS, batches, ID)
+    round_ = StepRound(steps, lambda call: b"EVALSHA %d\n" % call.keys[0].count(":1}"), TwoNodes())
+    assert round_.expected() == {"a": 3, "b": 2}  # a: two scripts + WAIT; b: one script + WAIT
+    assert round_.payloads["a"].endswith(b"$4\r\nWAIT\r\n$1\r\n1\r\n$4\r\n1000\r\n")
+    assert round_.payloads["b"].endswith(b"$4\r\nWAIT\r\n$1\r\n1\r\n$4\r\n1000\r\n")
+    refused = redis.ResponseError("ERR refused")
+    results = round_.results({"a": [refused, refused, 0], "b": [refused, 1]})
+    assert results[3] == {0: 0, 1: 1, 2: 0}  # each batch: the WAIT of its own node

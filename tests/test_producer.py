@@ -554,14 +554,16 @@ def test_retention_by_age_trims_old_entries_on_a_later_write(broker: redisq.Brok
 
 
 def test_acks_fsync_needs_waitaof_and_aof(broker: redisq.Broker, backend: str) -> None:
-    """The shared servers: Redis 7.0 has no WAITAOF; the fixture's Valkey runs without AOF;
-    acks="fsync" is not supported on a cluster yet. Each refuses at creation."""
+    """The shared servers: Redis 7.0 has no WAITAOF; the fixture's Valkey servers (standalone and
+    cluster) run without AOF. Each refuses at creation, before anything is written."""
     broker.create_topic("t")
     before = snapshot(broker)
     with pytest.raises(redisq.UnsupportedServer) as info:
         broker.producer(acks="fsync")
     if backend == "redis" and broker.server.startswith("redis 7.0"):
         assert "WAITAOF" in str(info.value)
+    else:
+        assert "appendonly yes" in str(info.value)
     assert snapshot(broker) == before
 
 

@@ -23,7 +23,7 @@ from redisq import connection
 from redisq.errors import from_reply
 from redisq.protocol import Command, ScriptCall, Step, Steps
 from redisq.protocol.resp import decode_bulks
-from redisq.scripts import Script, is_fake, pack, script_names
+from redisq.scripts import Script, is_fake, node_name, pack, primaries, script_names
 
 T = TypeVar("T")
 
@@ -160,6 +160,8 @@ class AsyncScripts:
         if isinstance(steps, ScriptCall):
             return await self.run(steps)
         if isinstance(steps, Command):
+            if steps.nodes == "primaries":
+                return await self._on_primaries(steps)
             with closed_mid_write():
                 reply = await self._client.execute_command(*steps.args)
             return steps.decode(reply)
@@ -191,6 +193,19 @@ class AsyncScripts:
             else:
                 results.append(step.decode(reply))
         return results
+
+    async def _on_primaries(self, step: Command[Any]) -> dict[str, Any]:
+        """As redisq.scripts.Scripts._on_primaries."""
+        out: dict[str, Any] = {}
+        for node in primaries(self._client, self._cluster):
+            options = {} if node is None else {"target_nodes": node}
+            try:
+                with closed_mid_write():
+                    reply = await self._client.execute_command(*step.args, **options)
+                out[node_name(node)] = step.decode(reply)
+            except ResponseError as exc:
+                out[node_name(node)] = exc
+        return out
 
     async def _raw_pipeline(self, steps: list[Step]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)

@@ -110,11 +110,6 @@ class DelayedSender:
         check_when_types(args[6], args[7])
         if self._closing:
             raise ProducerClosed("send after close()")
-        if self._broker.is_cluster and self._settings.acks != "leader":
-            raise errors.UnsupportedServer(
-                f'delayed messages with acks="{self._settings.acks}" are not supported on Redis '
-                'Cluster yet; use acks="leader"'
-            )
 
     def _enqueue(
         self, config: TopicConfig, args: _Args, future: asyncio.Future[RecordMetadata]

@@ -171,8 +171,7 @@ class Producer:
             raise self._core.fatal
 
     async def _check_acks_supported(self) -> None:
-        cluster, server = self.broker.is_cluster, self.broker.server
-        await self.broker.run(identity_ops.check_acks(self.acks, cluster=cluster, server=server))
+        await self.broker.run(identity_ops.check_acks(self.acks, server=self.broker.server))
 
     # -- topic metadata --------------------------------------------------------------------------
     async def _topic_config(self, topic: str) -> TopicConfig:

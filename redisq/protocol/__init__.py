@@ -47,10 +47,20 @@ class ScriptCall(Generic[T]):
 
 @dataclass(slots=True)
 class Command(Generic[T]):
-    """A plain Redis command and the decoder of its reply (redis-py's raw reply, bytes)."""
+    """A plain Redis command and the decoder of its reply (redis-py's raw reply, bytes).
+
+    nodes: where it runs on Redis Cluster (one server otherwise, named ""):
+      "one"        any node (a keyless command; on a transport round, the node of the step before)
+      "primaries"  every primary, alone (not in a list of steps): the result is a dict of node
+                   name -> decoded reply, or the exception in place of a node's failed reply
+      "written"    on a transport round (StepRound): after the steps of every node the round
+                   wrote to; the result maps the index of each step before it to the decoded
+                   reply (or exception) of the command on that step's node
+    """
 
     args: tuple[Any, ...]
     decode: Callable[[Any], T] = _identity
+    nodes: str = "one"
 
 
 Step = ScriptCall[Any] | Command[Any]
