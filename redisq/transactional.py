@@ -22,6 +22,7 @@ from redisq.accumulator import ProducerCore
 from redisq.errors import InvalidConfig, ProducerClosed, RedisqError
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
+from redisq.protocol import transactions as tx
 from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
@@ -36,12 +37,15 @@ from redisq.transactions import (
     TxState,
     Writer,
     abort_found,
+    barrier_failure,
     ends_on_refusal,
     half_message,
     half_result,
     messages_of,
     new_transaction_id,
+    unconfirmed,
 )
+from redisq.transport import DeadlineReached, Transport
 
 
 class TxProducer(Protocol):
@@ -183,6 +187,8 @@ class Transaction:
                 )
             )
         self._ended(True, results)
+        written = tx.barrier_keys(keys, staged, [p for _, p in inputs])
+        self._tx.confirm(core.transaction_id, written)
         return core.records
 
     def abort(self) -> None:
@@ -247,6 +253,37 @@ class Transactions:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
+    def confirm(self, tx_id: str, written: list[str]) -> None:
+        """acks="replicas" / "fsync": a committed transaction is confirmed as a batch is, on every
+        node it wrote to (a barrier, then WAIT / WAITAOF on the same connection), again until
+        delivery_timeout_ms; then NotEnoughReplicas (the transaction stays committed)."""
+        s = self.settings
+        if s.acks == "leader":
+            return
+        steps = tx.replicated(written, s.acks, s.min_replicas, s.ack_timeout_ms)
+        deadline = time.monotonic() + s.delivery_timeout_ms / 1000
+        backoff = s.retry_backoff_ms / 1000
+        broker = self.producer.broker
+        transport = Transport(broker.client, s.delivery_timeout_ms)
+        said: BaseException | None = None  # the last answer (a deadline says less)
+        try:
+            while True:
+                try:
+                    results = transport.execute(steps, broker.scripts, deadline)
+                    failure = said = barrier_failure(results, s)
+                except _NETWORK_ERRORS as exc:
+                    transport.reset()
+                    failure = exc
+                if failure is None:
+                    return
+                if time.monotonic() + backoff >= deadline:
+                    last = said if isinstance(failure, DeadlineReached) and said else failure
+                    raise unconfirmed(tx_id, s, last) from last
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+        finally:
+            transport.close()
+
     # -- Kafka style -------------------------------------------------------------------------------
     def recover(self) -> None:
         """A new instance: complete or abort its predecessor's open transaction."""
@@ -304,7 +341,10 @@ class Transactions:
                     keys, tx_id, writer, state, staging.staged, {topic: config}.get
                 )
             )
-            return half_result(tx_id, stored, results, staging, producer._core.stats)
+            outcome = half_result(tx_id, stored, results, staging, producer._core.stats)
+            if stored == "committed":
+                self.confirm(tx_id, tx.barrier_keys(keys, staging.staged, []))
+            return outcome
         return TransactionResult(tx_id, state)
 
     # -- the background duties ---------------------------------------------------------------------

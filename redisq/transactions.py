@@ -18,6 +18,7 @@ from redis.exceptions import AskError, ClusterError, TryAgainError
 from redisq.errors import (
     InvalidConfig,
     LeaseLost,
+    NotEnoughReplicas,
     ProducerFenced,
     TransactionAborted,
     TransactionDecided,
@@ -27,6 +28,7 @@ from redisq.protocol.group import Lease
 from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.protocol.transactions import InputPosition, StagedBatch
 from redisq.records import Message, RecordMetadata, decode_headers, offset_at
+from redisq.sending import ack_failure
 from redisq.settings import ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
@@ -364,3 +366,30 @@ def ends_on_refusal(transaction: Ending) -> Iterator[None]:
         if transaction.state == "open":
             transaction._ended(False)
         raise
+
+
+def barrier_failure(results: list[Any], settings: ProducerSettings) -> BaseException | None:
+    """What a round of redisq.protocol.transactions.replicated() says: None once every barrier
+    was written and the WAIT / WAITAOF of its node confirmed it."""
+    *barriers, acked = results
+    failed = next((r for r in barriers if isinstance(r, BaseException)), None)
+    if failed is not None:
+        return failed
+    if isinstance(acked, BaseException):
+        return acked
+    for i in range(len(barriers)):
+        if i not in acked:  # never taken as confirmed
+            return NotEnoughReplicas(f"acks={settings.acks}: no answer")
+        failure = ack_failure(acked[i], settings)
+        if failure is not None:
+            return failure
+    return None
+
+
+def unconfirmed(tx_id: str, settings: ProducerSettings, failure: BaseException) -> Exception:
+    """commit() after the transaction was decided and carried out, its acks not confirmed."""
+    return NotEnoughReplicas(
+        f"transaction {tx_id} is committed on the primary, but acks={settings.acks} was not "
+        f"confirmed within delivery_timeout_ms={settings.delivery_timeout_ms}: a failover may "
+        f"lose it (last error: {failure})"
+    )

@@ -23,8 +23,10 @@ from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
 from redisq.asyncio.client import stop_task
 from redisq.asyncio.handle import AsyncBrokerHandle
+from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import InvalidConfig, RedisqError
 from redisq.protocol import Operation
+from redisq.protocol import transactions as tx
 from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
@@ -39,12 +41,15 @@ from redisq.transactions import (
     TxState,
     Writer,
     abort_found,
+    barrier_failure,
     ends_on_refusal,
     half_message,
     half_result,
     messages_of,
     new_transaction_id,
+    unconfirmed,
 )
+from redisq.transport import DeadlineReached
 
 
 class TxProducer(Protocol):
@@ -157,6 +162,8 @@ class Transaction:
                 lambda: ops.commit(keys, tx_id, writer, staged, inputs, core.configs.get)
             )
         self._ended(True, results)
+        written = tx.barrier_keys(keys, staged, [p for _, p in inputs])
+        await self._tx.confirm(tx_id, written)
         return core.records
 
     async def abort(self) -> None:
@@ -221,6 +228,35 @@ class Transactions:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
+    async def confirm(self, tx_id: str, written: list[str]) -> None:
+        """As redisq.transactional.Transactions.confirm, on the event loop."""
+        s = self.settings
+        if s.acks == "leader":
+            return
+        steps = tx.replicated(written, s.acks, s.min_replicas, s.ack_timeout_ms)
+        deadline = time.monotonic() + s.delivery_timeout_ms / 1000
+        backoff = s.retry_backoff_ms / 1000
+        broker = self.producer.broker
+        transport = AsyncTransport(broker.client, s.delivery_timeout_ms)
+        said: BaseException | None = None  # the last answer (a deadline says less)
+        try:
+            while True:
+                try:
+                    results = await transport.execute(steps, broker.scripts, deadline)
+                    failure = said = barrier_failure(results, s)
+                except _NETWORK_ERRORS as exc:
+                    await transport.reset()
+                    failure = exc
+                if failure is None:
+                    return
+                if time.monotonic() + backoff >= deadline:
+                    last = said if isinstance(failure, DeadlineReached) and said else failure
+                    raise unconfirmed(tx_id, s, last) from last
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+        finally:
+            await transport.close()
+
     async def recover(self) -> None:
         name = self.producer.name
         if self.settings.transactional and name is not None:
@@ -276,7 +312,10 @@ class Transactions:
                     keys, tx_id, writer, state, staging.staged, {topic: config}.get
                 )
             )
-            return half_result(tx_id, stored, results, staging, producer._core.stats)
+            outcome = half_result(tx_id, stored, results, staging, producer._core.stats)
+            if stored == "committed":
+                await self.confirm(tx_id, tx.barrier_keys(keys, staging.staged, []))
+            return outcome
         return TransactionResult(tx_id, state)
 
     # -- the background duties -------------------------------------------------------------------

@@ -368,3 +368,27 @@ def apply_position(
         lambda reply: bool(int(reply)),
         position.topic,
     )
+
+
+def barrier_keys(
+    keys: KeySpace, batches: list[StagedBatch], positions: list[InputPosition]
+) -> list[str]:
+    """A key of every slot a committed transaction wrote to: its registry, each output and each
+    input partition."""
+    found = [keys.transactions()]
+    found += [keys.log(b.topic, b.partition) for b in batches]
+    found += [keys.log(p.topic, p.partition) for p in positions]
+    return list(dict.fromkeys(found))
+
+
+def replicated(written: list[str], acks: str, min_replicas: int, ack_timeout_ms: int) -> list[Step]:
+    """The steps that confirm acks="replicas" / "fsync" for writes already made in the slots of
+    `written` (for a transport round, redisq.transport.StepRound): ack_barrier.lua in each slot,
+    then WAIT / WAITAOF after each node's own barriers. The last result maps each barrier's index
+    to its node's WAIT / WAITAOF reply."""
+    steps: list[Step] = [ScriptCall("ack_barrier", (f"{key}:barrier",), ()) for key in written]
+    if acks == "replicas":
+        steps.append(Command(("WAIT", min_replicas, ack_timeout_ms), nodes="written"))
+    else:
+        steps.append(Command(("WAITAOF", 1, 0, ack_timeout_ms), nodes="written"))
+    return steps
