@@ -11,6 +11,7 @@ from redisq import errors
 from redisq.broker import Broker, connect
 from redisq.consumer import Consumer
 from redisq.errors import (
+    CommitNotConfirmed,
     DeliveryTimeout,
     GroupInUse,
     GroupNotFound,
@@ -55,6 +56,7 @@ __all__ = [
     "MalformedMessage",
     "Message",
     "MessageTooLarge",
+    "CommitNotConfirmed",
     "NotEnoughReplicas",
     "OutOfOrderSequence",
     "PartitionInfo",

@@ -36,9 +36,9 @@ from redisq.errors import (
     UnknownProducer,
 )
 from redisq.keys import KeySpace
-from redisq.protocol import Command, Step
+from redisq.protocol import Step
 from redisq.protocol import schedule as calls
-from redisq.protocol.produce import ProducerIdentity
+from redisq.protocol.produce import ProducerIdentity, ack_barrier, ack_wait
 from redisq.protocol.schedule import Scheduled, ScheduleResult
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
@@ -267,28 +267,33 @@ class DelayedCore:
                 )
             )
         s = self.settings
-        if s.acks == "replicas":
-            out.append(Command(("WAIT", s.min_replicas, s.ack_timeout_ms), nodes="written"))
-        elif s.acks == "fsync":
-            out.append(Command(("WAITAOF", 1, 0, s.ack_timeout_ms), nodes="written"))
+        if s.acks != "leader":
+            # A barrier write per batch on its node's connection before WAIT / WAITAOF: a retry
+            # answered as already scheduled writes nothing (see lua/ack_barrier.lua).
+            out += [ack_barrier(keys.log(b.topic, b.partition)) for b in batches]
+            out.append(ack_wait(s.acks, s.min_replicas, s.ack_timeout_ms))
         for batch in batches:
             batch.sent = True
         return out
 
     def settle(self, batches: list[DelayedBatch], results: list[Any], now: float) -> None:
-        """The replies of a round (steps()), in order. The WAIT / WAITAOF after them answers for
-        the batches of its own node: {batch index: reply}, or one exception for all (no answer)."""
+        """The replies of a round (steps()), in order: the batches', then (acks "replicas" /
+        "fsync") each batch's barrier and the WAIT / WAITAOF after them, which answers for the
+        barriers of its own node ({step index: reply}), or one exception for all (no answer)."""
+        n = len(batches)
         leader = self.settings.acks == "leader"
-        acked = {} if leader else results[len(batches)]
+        acked = {} if leader else results[2 * n]
         for i, (batch, result) in enumerate(zip(batches, results, strict=False)):
-            reply = acked if isinstance(acked, BaseException) else acked.get(i)
-            durable: BaseException | None
-            if leader:
-                durable = None
-            elif reply is None:  # not asked on its node: never taken as acknowledged
-                durable = NotEnoughReplicas(f"acks={self.settings.acks}: no answer for the batch")
-            else:
-                durable = ack_failure(reply, self.settings)
+            durable: BaseException | None = None
+            if not leader:
+                barrier = results[n + i]
+                reply = acked if isinstance(acked, BaseException) else acked.get(n + i)
+                if isinstance(barrier, BaseException):
+                    durable = barrier
+                elif reply is None:  # not asked on its node: never taken as acknowledged
+                    durable = NotEnoughReplicas(f"acks={self.settings.acks}: no answer")
+                else:
+                    durable = ack_failure(reply, self.settings)
             if isinstance(result, ScheduleResult) and durable is None:
                 self._complete(batch, result)
             elif isinstance(result, ScheduleResult):

@@ -165,6 +165,18 @@ class NotEnoughReplicas(RedisqError):
     retriable = True
 
 
+class CommitNotConfirmed(NotEnoughReplicas):
+    """A transaction is committed on the primary, but its acks ("replicas" / "fsync") were not
+    confirmed within delivery_timeout_ms: a failover may lose it. Not retriable (sending it again
+    would write it twice); calling commit() again tries the confirmation again."""
+
+    retriable = False
+
+    def __init__(self, message: str, transaction_id: str) -> None:
+        super().__init__(message)
+        self.transaction_id = transaction_id
+
+
 class UnsupportedServer(RedisqError):
     """The server lacks a command or version that the requested feature needs."""
 

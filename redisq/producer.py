@@ -12,6 +12,7 @@ written as a duplicate carrying its original offsets.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -38,7 +39,7 @@ from redisq.keys import validate_name
 from redisq.protocol import Operation, run_operation
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
-from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, script_for
+from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, scripts_for
 from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
@@ -543,8 +544,8 @@ class Producer:
     def _reload_scripts(self) -> None:
         """NOSCRIPT (a restarted or flushed server): load the produce scripts again."""
         try:
-            self._call(lambda: self._scripts.load(script_for(self.settings)))
-            self._call(lambda: self._scripts.load("fence_producer"))
+            for name in scripts_for(self.settings):
+                self._call(functools.partial(self._scripts.load, name))
             self._core.reload_scripts = False
         except _NETWORK_ERRORS as exc:
             log.warning("cannot load scripts yet: %s", type(exc).__name__)

@@ -287,12 +287,14 @@ class MessageEncoder:
 class Round:
     """Batches written together, per node, whose replies are still to be read."""
 
-    __slots__ = ("nodes", "payloads", "extra")
+    __slots__ = ("nodes", "payloads", "tails")
 
     def __init__(self) -> None:
         self.nodes: dict[str, list[tuple[Batch, Callable[[Any], Any]] | None]] = {}
         self.payloads: dict[str, bytes] = {}
-        self.extra = 0  # one more reply per node: WAIT / WAITAOF
+        # acks="replicas" / "fsync": the replies after a node's batches (ASKING, the barrier,
+        # WAIT / WAITAOF)
+        self.tails: dict[str, int] = {}
 
     @classmethod
     def build(
@@ -308,6 +310,7 @@ class Round:
     ) -> Round:
         round_ = cls()
         parts_by_node: dict[str, list[bytes]] = {}
+        anchors: dict[str, tuple[str, bool]] = {}  # per node: a log written there, ASK-routed?
         for batch in work:
             call = protocol.produce(
                 keys,
@@ -323,26 +326,39 @@ class Round:
             node = router.node_for(key)
             parts = parts_by_node.setdefault(node, [])
             entries = round_.nodes.setdefault(node, [])
-            if router.asking(key):
+            asked = router.asking(key)
+            if asked:
                 router.forget_asking(key)
                 parts.append(command(b"ASKING", ()))
                 entries.append(None)
             parts.append(pack(call))
             entries.append((batch, call.decode))
+            if node not in anchors or anchors[node][1]:
+                anchors[node] = (key, asked)
         for node, parts in parts_by_node.items():
-            if settings.acks == "replicas":
-                parts.append(command(b"WAIT", (settings.min_replicas, settings.ack_timeout_ms)))
-            elif settings.acks == "fsync":
-                parts.append(command(b"WAITAOF", (1, 0, settings.ack_timeout_ms)))
+            if settings.acks != "leader":
+                # A barrier write of this connection's own before WAIT / WAITAOF: a batch whose
+                # retry is answered as a duplicate writes nothing, and on a new connection WAIT
+                # would then confirm nothing (see lua/ack_barrier.lua).
+                anchor, asked = anchors[node]
+                if asked:
+                    parts.append(command(b"ASKING", ()))
+                wait = protocol.ack_wait(
+                    settings.acks, settings.min_replicas, settings.ack_timeout_ms
+                )
+                parts += [
+                    pack(protocol.ack_barrier(anchor)),
+                    command(wait.args[0].encode(), wait.args[1:]),
+                ]
+                round_.tails[node] = 3 if asked else 2
             round_.payloads[node] = b"".join(parts)
-        round_.extra = 0 if settings.acks == "leader" else 1
         return round_
 
     def batches(self) -> list[Batch]:
         return [entry[0] for entries in self.nodes.values() for entry in entries if entry]
 
     def expected_replies(self, node: str) -> int:
-        return len(self.nodes[node]) + self.extra
+        return len(self.nodes[node]) + self.tails.get(node, 0)
 
     def settle(
         self,
@@ -358,8 +374,9 @@ class Round:
         progress = retry = False
         for node, entries in self.nodes.items():
             node_replies = list(replies[node])
-            durable_error = ack_failure(node_replies.pop(), settings) if self.extra else None
-            for entry, reply in zip(entries, node_replies, strict=True):
+            tail = node_replies[len(entries) :]
+            durable_error = tail_failure(tail, settings) if tail else None
+            for entry, reply in zip(entries, node_replies[: len(entries)], strict=True):
                 if entry is None:  # the reply to ASKING
                     continue
                 batch, decode = entry
@@ -379,6 +396,8 @@ class Round:
                     core.refused(batch, mapped or reply)
                     retry = True
                 elif durable_error is not None:
+                    if str(durable_error).startswith("NOSCRIPT"):  # the barrier's
+                        core.reload_scripts = True
                     core.not_durable(batch, durable_error)
                     batch.unknown = True  # stored on the primary, maybe not on a replica
                     retry = True
@@ -386,8 +405,18 @@ class Round:
                     core.complete(batch, decode(reply))
                     progress = True
             if durable_error is not None:
-                log.warning("acks=%s: %s", settings.acks, durable_error)
+                log.warning("%s", durable_error)
         return progress, retry
+
+
+def tail_failure(tail: list[Any], settings: ProducerSettings) -> BaseException | None:
+    """What the barrier and WAIT / WAITAOF replies after a node's batches say against them."""
+    barrier = tail[-2]
+    if isinstance(barrier, Redirect):
+        return redis.ResponseError(f"the acks barrier was redirected: {barrier}")
+    if isinstance(barrier, BaseException):
+        return barrier
+    return ack_failure(tail[-1], settings)
 
 
 def ack_failure(reply: Any, settings: ProducerSettings) -> BaseException | None:
@@ -405,8 +434,11 @@ def ack_failure(reply: Any, settings: ProducerSettings) -> BaseException | None:
     return None
 
 
-def script_for(settings: ProducerSettings) -> str:
-    """The produce script of this idempotence mode (reloaded after NOSCRIPT)."""
-    return {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
+def scripts_for(settings: ProducerSettings) -> tuple[str, ...]:
+    """The scripts a producer's sender runs (loaded again after NOSCRIPT): the produce script of
+    its idempotence mode, fencing, and the acks barrier unless acks="leader"."""
+    produce = {"sequence": "produce_sequence", "message_id": "produce_message_id"}.get(
         settings.idempotence or "", "produce"
     )
+    barrier = () if settings.acks == "leader" else ("ack_barrier",)
+    return (produce, "fence_producer", *barrier)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from redisq import tx_ops as ops
 from redisq.accumulator import ProducerCore
-from redisq.errors import InvalidConfig, ProducerClosed, RedisqError
+from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, TransactionDecided
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
 from redisq.protocol import transactions as tx
@@ -30,6 +30,7 @@ from redisq.settings import ProducerSettings
 from redisq.topic import TopicConfig
 from redisq.transactions import (
     RETRIABLE_ERRORS,
+    Confirmation,
     TransactionCore,
     TransactionResult,
     TxConsumer,
@@ -43,9 +44,8 @@ from redisq.transactions import (
     half_result,
     messages_of,
     new_transaction_id,
-    unconfirmed,
 )
-from redisq.transport import DeadlineReached, Transport
+from redisq.transport import Transport
 
 
 class TxProducer(Protocol):
@@ -171,6 +171,8 @@ class Transaction:
         """Stage what is left, decide, roll forward; TransactionAborted if it could not commit
         (its timeout passed, a newer instance started, an input partition moved)."""
         core = self._core
+        if core.state == "committed" and core.unconfirmed is not None:
+            return self._confirmed()  # again after CommitNotConfirmed
         core.check_open()
         core.committing = True
         with ends_on_refusal(self):
@@ -187,8 +189,16 @@ class Transaction:
                 )
             )
         self._ended(True, results)
-        written = tx.barrier_keys(keys, staged, [p for _, p in inputs])
-        self._tx.confirm(core.transaction_id, written)
+        core.unconfirmed = tx.barrier_keys(
+            keys, core.transaction_id, staged, [p for _, p in inputs]
+        )
+        return self._confirmed()
+
+    def _confirmed(self) -> tuple[RecordMetadata, ...]:
+        core = self._core
+        if core.unconfirmed is not None:
+            self._tx.confirm(core.transaction_id, core.unconfirmed)  # CommitNotConfirmed
+            core.unconfirmed = None
         return core.records
 
     def abort(self) -> None:
@@ -207,7 +217,12 @@ class Transaction:
                     keys, core.transaction_id, writer, positions, staged, configs
                 )
             )
-        abort_found(self, state, results)
+        try:
+            abort_found(self, state, results)
+        except TransactionDecided:  # committed first (a commit() that failed after deciding)
+            core.unconfirmed = tx.barrier_keys(keys, core.transaction_id, staged, positions)
+            self._confirmed()  # its acks, as commit() would have: CommitNotConfirmed if not
+            raise
 
     def _stage(self, final: bool = False) -> None:
         new, first, register = self._core.unstaged()
@@ -232,6 +247,8 @@ class Transactions:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token = secrets.token_hex(8)
+        self._confirming = threading.Lock()  # confirm(): one at a time on self._transport
+        self._transport: Transport | None = None
 
     def writer(self) -> Writer:
         return Writer.of(self.settings, self.producer.identity)
@@ -253,36 +270,32 @@ class Transactions:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    def confirm(self, tx_id: str, written: list[str]) -> None:
+    def confirm(self, tx_id: str, anchors: list[str]) -> None:
         """acks="replicas" / "fsync": a committed transaction is confirmed as a batch is, on every
         node it wrote to (a barrier, then WAIT / WAITAOF on the same connection), again until
-        delivery_timeout_ms; then NotEnoughReplicas (the transaction stays committed)."""
+        delivery_timeout_ms; then CommitNotConfirmed (the transaction stays committed). One
+        confirmation at a time, on connections of the producer's own."""
         s = self.settings
         if s.acks == "leader":
             return
-        steps = tx.replicated(written, s.acks, s.min_replicas, s.ack_timeout_ms)
-        deadline = time.monotonic() + s.delivery_timeout_ms / 1000
-        backoff = s.retry_backoff_ms / 1000
-        broker = self.producer.broker
-        transport = Transport(broker.client, s.delivery_timeout_ms)
-        said: BaseException | None = None  # the last answer (a deadline says less)
-        try:
+        steps = tx.replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
+        confirmation = Confirmation(tx_id, s)
+        scripts = self.producer.broker.scripts
+        with self._confirming:
+            if self._transport is None:
+                self._transport = Transport(self.producer.broker.client, s.delivery_timeout_ms)
+            transport = self._transport
             while True:
                 try:
-                    results = transport.execute(steps, broker.scripts, deadline)
-                    failure = said = barrier_failure(results, s)
+                    results = transport.execute(steps, scripts, confirmation.deadline)
                 except _NETWORK_ERRORS as exc:
                     transport.reset()
-                    failure = exc
+                    time.sleep(confirmation.failed(exc, answered=False))
+                    continue
+                failure = barrier_failure(results, s)
                 if failure is None:
                     return
-                if time.monotonic() + backoff >= deadline:
-                    last = said if isinstance(failure, DeadlineReached) and said else failure
-                    raise unconfirmed(tx_id, s, last) from last
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-        finally:
-            transport.close()
+                time.sleep(confirmation.failed(failure, answered=True))
 
     # -- Kafka style -------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -343,7 +356,7 @@ class Transactions:
             )
             outcome = half_result(tx_id, stored, results, staging, producer._core.stats)
             if stored == "committed":
-                self.confirm(tx_id, tx.barrier_keys(keys, staging.staged, []))
+                self.confirm(tx_id, tx.barrier_keys(keys, tx_id, staging.staged, []))
             return outcome
         return TransactionResult(tx_id, state)
 
@@ -367,6 +380,10 @@ class Transactions:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._confirming:
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
 
     def _background(self) -> None:
         tick = background_tick_s(self.settings.check_interval_ms)

@@ -16,6 +16,7 @@ import redis
 from redis.exceptions import AskError, ClusterError, TryAgainError
 
 from redisq.errors import (
+    CommitNotConfirmed,
     InvalidConfig,
     LeaseLost,
     NotEnoughReplicas,
@@ -234,6 +235,8 @@ class TransactionCore:
         # commit() was called: what it decides is the transaction (a decision stored before
         # an error); only commit() again or abort() may follow
         self.committing = False
+        # committed, its acks not confirmed (CommitNotConfirmed): the anchors to confirm again
+        self.unconfirmed: list[str] | None = None
         self._inputs: dict[tuple[str, str, int], tuple[TxConsumer, Lease, InputPosition]] = {}
         self._stats = stats
 
@@ -386,10 +389,30 @@ def barrier_failure(results: list[Any], settings: ProducerSettings) -> BaseExcep
     return None
 
 
-def unconfirmed(tx_id: str, settings: ProducerSettings, failure: BaseException) -> Exception:
-    """commit() after the transaction was decided and carried out, its acks not confirmed."""
-    return NotEnoughReplicas(
-        f"transaction {tx_id} is committed on the primary, but acks={settings.acks} was not "
-        f"confirmed within delivery_timeout_ms={settings.delivery_timeout_ms}: a failover may "
-        f"lose it (last error: {failure})"
-    )
+class Confirmation:
+    """The tries of a committed transaction's acks (the drivers' Transactions.confirm): rounds of
+    protocol.transactions.replicated() until delivery_timeout_ms, with a growing backoff."""
+
+    def __init__(self, tx_id: str, settings: ProducerSettings) -> None:
+        self.tx_id = tx_id
+        self.settings = settings
+        self.deadline = time.monotonic() + settings.delivery_timeout_ms / 1000
+        self._backoff = settings.retry_backoff_ms / 1000
+        self._said: BaseException | None = None  # the last answer (a deadline says less)
+
+    def failed(self, failure: BaseException, answered: bool) -> float:
+        """A round did not confirm: how long to wait before the next; CommitNotConfirmed once
+        the next would pass the deadline. answered: the failure is the servers' answer."""
+        if answered:
+            self._said = failure
+        backoff, self._backoff = self._backoff, min(self._backoff * 2, 1.0)
+        if time.monotonic() + backoff < self.deadline:
+            return backoff
+        last = failure if answered or self._said is None else self._said
+        s = self.settings
+        raise CommitNotConfirmed(
+            f"transaction {self.tx_id} is committed on the primary, but acks={s.acks} was not "
+            f"confirmed within delivery_timeout_ms={s.delivery_timeout_ms}: a failover may lose "
+            f"it; commit() again tries the confirmation again (last error: {last})",
+            self.tx_id,
+        ) from last

@@ -181,31 +181,37 @@ def test_refusals_and_replica_acks() -> None:
     core.append(CONFIG, 1, message(ids), now=0.0)
     batches = core.pick(now=0.01)
     steps = core.steps(KEYS, batches, ID)
-    assert [getattr(s, "script", None) for s in steps] == ["schedule", "schedule", None]
-    assert steps[2].nodes == "written"  # WAIT after each node's own writes
+    scripts = [getattr(s, "script", None) for s in steps]
+    assert scripts == ["schedule", "schedule", "ack_barrier", "ack_barrier", None]
+    assert steps[2].keys[0] == KEYS.log("orders", 0)  # a barrier in each batch's slot
+    assert steps[4].nodes == "written"  # WAIT after each node's own barrier
     # WAIT answered 0 replicas: stored, maybe not on a replica: both go again.
-    stored = [ScheduleResult("0", (1,)), ScheduleResult("0", (1,))]
-    core.settle(batches, [*stored, {0: 0, 1: 0}], now=0.02)
+    stored = [ScheduleResult("0", (1,)), ScheduleResult("0", (1,)), 1, 1]
+    core.settle(batches, [*stored, {0: 0, 1: 0, 2: 0, 3: 0}], now=0.02)
     assert core.finished == [] and all(isinstance(b.last_error, NotEnoughReplicas) for b in batches)
-    # Each batch is judged by the WAIT of its own node: only the first goes again.
+    # Each batch is judged by the WAIT of its own barrier's node: only the first goes again.
     batches = core.pick(now=1.0 - 0.001)
-    core.settle(batches, [*stored, {0: 0, 1: 1}], now=0.99)
+    core.settle(batches, [*stored, {0: 0, 1: 1, 2: 0, 3: 1}], now=0.99)
     assert [b.partition for b in core.finished] == [1]
     assert isinstance(batches[0].last_error, NotEnoughReplicas)
-    # No WAIT answer for a batch (or the round's connection failed): never acknowledged.
+    # No WAIT answer for its barrier, its barrier refused, or the round's connection failed:
+    # never acknowledged.
     batches = core.pick(now=2.0)
-    core.settle(batches, [stored[0], {}], now=2.0)
+    core.settle(batches, [stored[0], 1, {0: 1}], now=2.0)
     assert "no answer" in str(batches[0].last_error)
-    batches = core.pick(now=4.0)
+    batches = core.pick(now=3.0)
+    moved = redis.ResponseError("TRYAGAIN")
+    core.settle(batches, [stored[0], moved, {0: 1}], now=3.0)
+    assert batches[0].last_error is moved
+    batches = core.pick(now=5.0)
     lost = redis.ConnectionError("lost")
-    core.settle(batches, [lost, lost], now=4.0)
+    core.settle(batches, [lost, lost, lost], now=5.0)
     assert batches[0].last_error is lost and core.finished[1:] == []
-    core.append(CONFIG, 1, message(ids), now=4.0)
-    batches = core.pick(now=6.0)
+    core.append(CONFIG, 1, message(ids), now=5.0)
+    batches = core.pick(now=7.0)
     assert [b.partition for b in batches] == [0, 1]
-    core.settle(
-        batches, [TopicNotFound("orders"), ScheduleResult("1", (5,)), {0: 1, 1: 1}], now=6.0
-    )
+    replies = [TopicNotFound("orders"), ScheduleResult("1", (5,)), 1, 1, {2: 1, 3: 1}]
+    core.settle(batches, replies, now=7.0)
     assert isinstance(batches[0].error, TopicNotFound)  # not retriable: ends the batch
     assert batches[1].metadata(0).duplicate
     never_sent, _ = sender()
@@ -239,9 +245,11 @@ def test_a_written_command_goes_after_each_nodes_writes_and_answers_for_them() -
     batches = core.pick(now=0.01)
     steps = core.steps(KEYS, batches, ID)
     round_ = StepRound(steps, lambda call: b"EVALSHA %d\n" % call.keys[0].count(":1}"), TwoNodes())
-    assert round_.expected() == {"a": 3, "b": 2}  # a: two scripts + WAIT; b: one script + WAIT
+    # a: two schedules, two barriers, WAIT; b: one schedule, one barrier, WAIT
+    assert round_.expected() == {"a": 5, "b": 3}
     assert round_.payloads["a"].endswith(b"$4\r\nWAIT\r\n$1\r\n1\r\n$4\r\n1000\r\n")
     assert round_.payloads["b"].endswith(b"$4\r\nWAIT\r\n$1\r\n1\r\n$4\r\n1000\r\n")
     refused = redis.ResponseError("ERR refused")
-    results = round_.results({"a": [refused, refused, 0], "b": [refused, 1]})
-    assert results[3] == {0: 0, 1: 1, 2: 0}  # each batch: the WAIT of its own node
+    results = round_.results({"a": [refused, refused, 1, 1, 0], "b": [refused, 1, 1]})
+    # steps: 0-2 schedules, 3-5 barriers, 6 WAIT; each: the WAIT of its own node
+    assert results[6] == {0: 0, 1: 1, 2: 0, 3: 0, 4: 1, 5: 0}

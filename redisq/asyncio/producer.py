@@ -43,7 +43,7 @@ from redisq.futures import check_timeout, remaining
 from redisq.keys import validate_name, validate_topic
 from redisq.protocol.produce import ProducerIdentity
 from redisq.records import RecordMetadata
-from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, script_for
+from redisq.sending import MessageEncoder, Round, refuse_timestamp_with_delay, scripts_for
 from redisq.settings import ProducerOptions, ProducerSettings
 from redisq.stats import ProducerStats
 from redisq.topic import TopicConfig
@@ -592,7 +592,7 @@ class Producer:
 
     async def _reload_scripts(self) -> None:
         try:
-            for name in (script_for(self.settings), "fence_producer"):
+            for name in scripts_for(self.settings):
                 await await_expiring(self.broker.scripts.load(name), self._expire_waiting)
             self._core.reload_scripts = False
         except _NETWORK_ERRORS as exc:

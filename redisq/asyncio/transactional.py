@@ -24,7 +24,7 @@ from redisq.accumulator import ProducerCore
 from redisq.asyncio.client import stop_task
 from redisq.asyncio.handle import AsyncBrokerHandle
 from redisq.asyncio.transport import AsyncTransport
-from redisq.errors import InvalidConfig, RedisqError
+from redisq.errors import InvalidConfig, RedisqError, TransactionDecided
 from redisq.protocol import Operation
 from redisq.protocol import transactions as tx
 from redisq.protocol.produce import BatchResult, ProducerIdentity
@@ -35,6 +35,7 @@ from redisq.topic import TopicConfig
 from redisq.transactional import as_state, background_lease_ms, background_tick_s
 from redisq.transactions import (
     RETRIABLE_ERRORS,
+    Confirmation,
     TransactionCore,
     TransactionResult,
     TxConsumer,
@@ -47,9 +48,7 @@ from redisq.transactions import (
     half_result,
     messages_of,
     new_transaction_id,
-    unconfirmed,
 )
-from redisq.transport import DeadlineReached
 
 
 class TxProducer(Protocol):
@@ -152,6 +151,8 @@ class Transaction:
 
     async def commit(self) -> tuple[RecordMetadata, ...]:
         core = self._core
+        if core.state == "committed" and core.unconfirmed is not None:
+            return await self._confirmed()  # again after CommitNotConfirmed
         core.check_open()
         core.committing = True
         with ends_on_refusal(self):
@@ -162,8 +163,14 @@ class Transaction:
                 lambda: ops.commit(keys, tx_id, writer, staged, inputs, core.configs.get)
             )
         self._ended(True, results)
-        written = tx.barrier_keys(keys, staged, [p for _, p in inputs])
-        await self._tx.confirm(tx_id, written)
+        core.unconfirmed = tx.barrier_keys(keys, tx_id, staged, [p for _, p in inputs])
+        return await self._confirmed()
+
+    async def _confirmed(self) -> tuple[RecordMetadata, ...]:
+        core = self._core
+        if core.unconfirmed is not None:
+            await self._tx.confirm(core.transaction_id, core.unconfirmed)  # CommitNotConfirmed
+            core.unconfirmed = None
         return core.records
 
     async def abort(self) -> None:
@@ -178,7 +185,12 @@ class Transaction:
                     keys, core.transaction_id, writer, positions, staged, configs
                 )
             )
-        abort_found(self, state, results)
+        try:
+            abort_found(self, state, results)
+        except TransactionDecided:  # committed first (a commit() that failed after deciding)
+            core.unconfirmed = tx.barrier_keys(keys, core.transaction_id, staged, positions)
+            await self._confirmed()  # its acks, as commit() would have: CommitNotConfirmed
+            raise
 
     async def _stage(self, final: bool = False) -> None:
         new, first, register = self._core.unstaged()
@@ -205,6 +217,8 @@ class Transactions:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._token = secrets.token_hex(8)
+        self._confirming = asyncio.Lock()  # confirm(): one at a time on self._transport
+        self._transport: AsyncTransport | None = None
 
     def writer(self) -> Writer:
         identity = self.producer.identity
@@ -228,34 +242,29 @@ class Transactions:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    async def confirm(self, tx_id: str, written: list[str]) -> None:
+    async def confirm(self, tx_id: str, anchors: list[str]) -> None:
         """As redisq.transactional.Transactions.confirm, on the event loop."""
         s = self.settings
         if s.acks == "leader":
             return
-        steps = tx.replicated(written, s.acks, s.min_replicas, s.ack_timeout_ms)
-        deadline = time.monotonic() + s.delivery_timeout_ms / 1000
-        backoff = s.retry_backoff_ms / 1000
-        broker = self.producer.broker
-        transport = AsyncTransport(broker.client, s.delivery_timeout_ms)
-        said: BaseException | None = None  # the last answer (a deadline says less)
-        try:
+        steps = tx.replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
+        confirmation = Confirmation(tx_id, s)
+        scripts = self.producer.broker.scripts
+        async with self._confirming:
+            if self._transport is None:
+                self._transport = AsyncTransport(self.producer.broker.client, s.delivery_timeout_ms)
+            transport = self._transport
             while True:
                 try:
-                    results = await transport.execute(steps, broker.scripts, deadline)
-                    failure = said = barrier_failure(results, s)
+                    results = await transport.execute(steps, scripts, confirmation.deadline)
                 except _NETWORK_ERRORS as exc:
                     await transport.reset()
-                    failure = exc
+                    await asyncio.sleep(confirmation.failed(exc, answered=False))
+                    continue
+                failure = barrier_failure(results, s)
                 if failure is None:
                     return
-                if time.monotonic() + backoff >= deadline:
-                    last = said if isinstance(failure, DeadlineReached) and said else failure
-                    raise unconfirmed(tx_id, s, last) from last
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-        finally:
-            await transport.close()
+                await asyncio.sleep(confirmation.failed(failure, answered=True))
 
     async def recover(self) -> None:
         name = self.producer.name
@@ -314,7 +323,7 @@ class Transactions:
             )
             outcome = half_result(tx_id, stored, results, staging, producer._core.stats)
             if stored == "committed":
-                await self.confirm(tx_id, tx.barrier_keys(keys, staging.staged, []))
+                await self.confirm(tx_id, tx.barrier_keys(keys, tx_id, staging.staged, []))
             return outcome
         return TransactionResult(tx_id, state)
 
@@ -334,6 +343,10 @@ class Transactions:
             except Exception as exc:
                 log.warning("close(): transaction %s not aborted: %s", current.transaction_id, exc)
         self._closed = True
+        async with self._confirming:
+            if self._transport is not None:
+                await self._transport.close()
+                self._transport = None
         task, self._task = self._task, None
         if task is None:
             return

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from redisq.keys import KeySpace
-from redisq.protocol import ScriptCall, text
+from redisq.protocol import Command, ScriptCall, text
 from redisq.protocol.resp import bulk_header
 from redisq.topic import TopicConfig
 
@@ -284,3 +284,17 @@ def fence_partition(
         lambda reply: bool(int(reply)),
         config.name,
     )
+
+
+def ack_barrier(anchor: str) -> ScriptCall[Any]:
+    """ack_barrier.lua in the slot of anchor (a key holding data there), for a WAIT / WAITAOF
+    after it on the same connection."""
+    return ScriptCall("ack_barrier", (anchor, f"{anchor}:barrier"), ())
+
+
+def ack_wait(acks: str, min_replicas: int, ack_timeout_ms: int) -> Command[Any]:
+    """WAIT (acks="replicas") or WAITAOF (acks="fsync") after each node's own writes of a
+    transport round (redisq.transport.StepRound)."""
+    if acks == "replicas":
+        return Command(("WAIT", min_replicas, ack_timeout_ms), nodes="written")
+    return Command(("WAITAOF", 1, 0, ack_timeout_ms), nodes="written")

@@ -10,7 +10,7 @@ from typing import Any
 from redisq.keys import KeySpace
 from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.group import Commit, Lease, parked_and_held, record_args
-from redisq.protocol.produce import BatchResult
+from redisq.protocol.produce import BatchResult, ack_barrier, ack_wait
 from redisq.protocol.resp import decode_bulks
 from redisq.topic import TopicConfig
 
@@ -371,24 +371,19 @@ def apply_position(
 
 
 def barrier_keys(
-    keys: KeySpace, batches: list[StagedBatch], positions: list[InputPosition]
+    keys: KeySpace, tx_id: str, batches: list[StagedBatch], positions: list[InputPosition]
 ) -> list[str]:
-    """A key of every slot a committed transaction wrote to: its registry, each output and each
-    input partition."""
-    found = [keys.transactions()]
+    """A key holding data in every slot a committed transaction wrote to (ack_barrier.lua's
+    KEYS[1]): the topics' set (the registry's slot), its record, each output and input
+    partition's log."""
+    found = [keys.topics(), keys.transaction(tx_id)]
     found += [keys.log(b.topic, b.partition) for b in batches]
     found += [keys.log(p.topic, p.partition) for p in positions]
     return list(dict.fromkeys(found))
 
 
-def replicated(written: list[str], acks: str, min_replicas: int, ack_timeout_ms: int) -> list[Step]:
+def replicated(anchors: list[str], acks: str, min_replicas: int, ack_timeout_ms: int) -> list[Step]:
     """The steps that confirm acks="replicas" / "fsync" for writes already made in the slots of
-    `written` (for a transport round, redisq.transport.StepRound): ack_barrier.lua in each slot,
-    then WAIT / WAITAOF after each node's own barriers. The last result maps each barrier's index
-    to its node's WAIT / WAITAOF reply."""
-    steps: list[Step] = [ScriptCall("ack_barrier", (f"{key}:barrier",), ()) for key in written]
-    if acks == "replicas":
-        steps.append(Command(("WAIT", min_replicas, ack_timeout_ms), nodes="written"))
-    else:
-        steps.append(Command(("WAITAOF", 1, 0, ack_timeout_ms), nodes="written"))
-    return steps
+    `anchors`: ack_barrier.lua in each, then WAIT / WAITAOF after each node's own barriers. The
+    last result maps each barrier's index to its node's WAIT / WAITAOF reply."""
+    return [*map(ack_barrier, anchors), ack_wait(acks, min_replicas, ack_timeout_ms)]
