@@ -5,17 +5,20 @@ stops, restarts or fails over the server, then reads the topic back and checks e
 
 Scenarios: SIGKILL + restart with AOF (appendfsync always); a restart that keeps nothing, with
 an old producer instance still sending while a new one starts; replica promotion under
-acks="replicas" (Sentinel, and Redis Cluster); the server SIGSTOPped past the consumers' lease.
+acks="replicas" (Sentinel, and Redis Cluster, with plain and with delayed sends); the server
+SIGSTOPped past the consumers' lease.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 
 import redisq
+from redisq.keys import KeySpace
 from tests.history.checker import Stored
 from tests.history.deployments import (
     node_id,
@@ -23,6 +26,7 @@ from tests.history.deployments import (
     start_cluster_with_replicas,
     start_sentinel_deployment,
 )
+from tests.history.faults import wait_until
 from tests.history.harness import (
     DRAIN_S,
     PRODUCER,
@@ -130,7 +134,8 @@ def test_restart_without_persistence_old_and_new_instance(
 
 # -- replica promotion under acks="replicas" ------------------------------------------------------
 
-DURABLE = {**PRODUCER, "acks": "replicas", "ack_timeout_ms": 500}
+ACK_TIMEOUT_MS = 500
+DURABLE = {**PRODUCER, "acks": "replicas", "ack_timeout_ms": ACK_TIMEOUT_MS}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -201,6 +206,125 @@ def test_cluster_promotion_acks_replicas(kind: str, tmp_path: Path) -> None:
         results = run.check(stored, ("acknowledged_stored_once", "key_order_in_log"))
         assert_no_violations(results, problems)
         assert run.count("send_ok") >= 1200, run.summary()
+
+
+# Delayed sends: a delay short enough that most messages are delivered while the run goes on,
+# the same for every send so that key order applies (same key, same delay: send order).
+DELAY_MS = 300
+
+
+def within(condition: Callable[[], object], seconds: float) -> bool:
+    """Whether condition() became true within `seconds` (not a failure when it did not)."""
+    try:
+        wait_until(condition, seconds, "a condition")
+    except AssertionError:
+        return False
+    return True
+
+
+def schedule_ids(node: ServerProcess, keys: KeySpace, partitions: Iterable[int]) -> set[bytes]:
+    """The schedule ids `node` holds for these partitions of TOPIC, read from that node itself:
+    waiting (the schedule's hash) or delivered and still refused (its tombstones, kept for the
+    senders' delivery timeout + 5 s: longer than the scenario). Read in that order, an id being
+    delivered meanwhile is seen in one or the other."""
+    ids: set[bytes] = set()
+    with node.client(socket_timeout=2) as client:
+        for p in partitions:
+            ids.update(client.hkeys(keys.scheduled_messages(TOPIC, p)))
+            ids.update(client.zrange(keys.scheduled_delivered(TOPIC, p), 0, -1))
+    return ids
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", KINDS)
+def test_cluster_promotion_delayed_acks_replicas(kind: str, tmp_path: Path) -> None:
+    """Redis Cluster, three primaries with a replica each; producers send DELAYED messages
+    (delay_ms=DELAY_MS) with acks="replicas": a send is acknowledged once its message is in the
+    partition's schedule and WAIT answered on the primary holding it. A consumer runs throughout
+    (its scheduler delivers due messages, through the failover too; so do the producers').
+
+    The primary serving a partition that is not on the seed node first loses its replica: it
+    drops the replication link and refuses the replica's PSYNC (ACL), so what it stores from
+    then on never reaches the replica (the replica, alive, still answers the cluster bus). Once
+    it holds delayed messages the replica lacks, and for twice ack_timeout_ms more (WAIT has
+    answered "0 replicas" for them), it is SIGKILLed; the replica is promoted, the old primary
+    restarted to rejoin as a replica. What the primary alone held is lost: it must not have
+    been acknowledged (its senders send it again, to the new primary). So are the deliveries it
+    made meanwhile: those messages are still scheduled on the new primary and go out again.
+
+    Then, once every schedule is empty: every acknowledged delayed send is stored once, in the
+    partition answered, no earlier than its answered due time, and in send order per (producer,
+    key)."""
+    cluster = start_cluster_with_replicas(binary_for(kind))
+    with Run(
+        tmp_path, cluster.url, time_url=cluster.primaries[0].url, servers=cluster.processes
+    ) as run:
+        with redisq.connect(cluster.url, namespace=run.namespace) as broker:
+            broker.create_topic(TOPIC, partitions=6)
+            owner = {p: cluster.owner_port(broker.keys.log(TOPIC, p)) for p in range(6)}
+            keys = broker.keys
+        victims = [p for p in cluster.primaries[1:] if p.port in owner.values()]
+        assert victims, f"every partition sits on the seed node: {owner}"
+        victim = victims[0]
+        replica = cluster.replica_of[victim.port]
+        on_victim = {p for p, port in owner.items() if port == victim.port}
+        run.consumer("c1", options={"lease_ttl_ms": LEASE_TTL_MS})
+        producers = ["A", "B"]
+        run.producer("A", name="svc", options=DURABLE)
+        run.producer("B", options=DURABLE)
+        for proc in producers:
+            run.workers[proc].command("stream", count=1200, rate=400, keys=12, delay_ms=DELAY_MS)
+        run.wait_acked("A", 300)
+        victim_id = node_id(victim)
+        with victim.client(socket_timeout=5) as client:
+            client.execute_command("ACL", "SETUSER", "default", "-psync", "-sync")
+            cut = client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        run.driver.record("cut_replication", f"primary {victim_id[:8]}", victim, links=cut)
+        assert cut == 1, f"{cut} replication links cut"
+        known = schedule_ids(victim, keys, on_victim)
+
+        def alone() -> set[bytes]:  # stored on the primary after the cut: never replicated
+            return schedule_ids(victim, keys, on_victim) - known
+
+        if not within(alone, 4 * ACK_TIMEOUT_MS / 1000):
+            # A batch stored just before the cut and not yet confirmed by WAIT holds its
+            # partition: it is sent again (a duplicate) until the failover, and nothing new is
+            # stored there meanwhile. The failover goes on with that.
+            run.driver.record("no_writes_after_cut", f"primary {victim_id[:8]}")
+        # Past the ack timeout, WAIT has answered "0 replicas" for what only the primary holds:
+        # an answer that must not become an acknowledgement.
+        hold(2 * ACK_TIMEOUT_MS / 1000)
+        run.driver.kill_server(victim, f"primary {victim_id[:8]}")
+        killed_at = time.time() * 1000  # sends invoked later can only be stored on the new one
+        run.wait(lambda: role(replica) == "master", DRAIN_S, "the replica to be promoted")
+        run.driver.record("promoted", f"127.0.0.1:{replica.port}")
+        run.driver.restart_server(victim, f"old primary {victim_id[:8]}")
+        run.wait(cluster.healthy, DRAIN_S, "the old primary to rejoin as a replica")
+        run.wait_streams(producers)
+        problems = run.close_producers(producers)
+        run.wait_delivered()  # the consumer's scheduler delivers what is left
+        stored = stored_at(cluster.url, run.namespace)
+        run.finish_workers()
+        results = run.check(
+            stored, ("acknowledged_stored_once", "key_order_in_log", "delivered_not_early")
+        )
+        assert_no_violations(results, problems)
+        history = run.history()
+        assert run.count("send_ok") >= 1200, run.summary()
+        assert all(ok[0].get("schedule_id") for ok in history.oks.values()), "a plain send?"
+        # The fault was on the path: the victim's partitions acknowledged delayed sends invoked
+        # before the kill (on the old primary) and after it (on the promoted replica).
+        acked = [
+            history.invokes[value]["wall"]
+            for value, oks in history.oks.items()
+            if oks[0]["partition"] in on_victim
+        ]
+        before = sum(1 for at in acked if at < killed_at)
+        after = len(acked) - before
+        assert before and after, (
+            f"victim partitions {on_victim}: {before} acknowledged sends invoked before the "
+            f"kill, {after} after; {run.summary()}"
+        )
 
 
 # -- the server SIGSTOPped past the consumers' lease ----------------------------------------------

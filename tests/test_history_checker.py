@@ -45,6 +45,21 @@ class Builder:
             self.add("send_fail", inst, at + 1, inst=inst, value=value, error=fail, message="")
         return value
 
+    def send_delayed(
+        self, inst: str, key: str, at: float, delay_ms: int, partition: int, due: float | None
+    ) -> str:
+        """A delayed send (delay_ms), acknowledged in `partition` with due time `due` (ms after
+        T0; None: answered "already delivered")."""
+        n = self.seq.get(inst, 0)
+        self.seq[inst] = n + 1
+        value = f"{inst}:{n}"
+        self.add("send_invoke", inst, at, inst=inst, key=key, value=value, seq=n,
+                 delay_ms=delay_ms)  # fmt: skip
+        self.add("send_ok", inst, at + 1, inst=inst, value=value, partition=partition,
+                 offset=None, dup=due is None, schedule_id=f"s:1:1:{n:012x}",
+                 deliver_at_ms=None if due is None else int(T0 + due))  # fmt: skip
+        return value
+
     def handle(
         self, member: str, s: Stored, start: float, end: float | None, proc: str | None = None
     ) -> None:
@@ -252,3 +267,68 @@ def test_lost_before_excuses_only_sends_invoked_before_the_restart() -> None:
     late = b.send("A", "k0", 500, ok=(0, offset(501)))  # invoked after the server came back
     violations = checker.acknowledged_stored_once(b.history(), [], lost_before=T0 + 100)
     assert len(violations) == 1 and late in violations[0] and early not in violations[0]
+
+
+# -- delayed sends: acknowledged once scheduled (offset None), stored when delivered -------------
+
+
+def test_delayed_sends_stored_once_in_the_partition_answered() -> None:
+    b = Builder()
+    kept = b.send_delayed("A", "k0", 0, delay_ms=300, partition=2, due=301)
+    moved = b.send_delayed("A", "k1", 1, delay_ms=300, partition=2, due=302)
+    lost = b.send_delayed("A", "k2", 2, delay_ms=300, partition=2, due=303)
+    twice = b.send_delayed("A", "k3", 3, delay_ms=300, partition=2, due=304)
+    stored = [
+        Stored(2, offset(301), "k0", kept),
+        Stored(1, offset(302), "k1", moved),
+        Stored(2, offset(304), "k3", twice),
+        Stored(2, offset(305), "k3", twice),
+    ]
+    violations = checker.acknowledged_stored_once(b.history(), stored)
+    assert len(violations) == 3, violations
+    assert any("stored 2 times" in v and twice in v for v in violations)
+    assert any(moved in v and "acknowledged at 2/scheduled" in v and "stored at 1/" in v
+               for v in violations)  # fmt: skip
+    assert any("acknowledged but not stored" in v and lost in v and "due" in v for v in violations)
+    clean = Builder()
+    value = clean.send_delayed("A", "k0", 0, delay_ms=300, partition=2, due=301)
+    assert (
+        checker.acknowledged_stored_once(clean.history(), [Stored(2, offset(320), "k0", value)])
+        == []
+    )
+
+
+def test_delivered_not_early() -> None:
+    b = Builder()
+    on_time = b.send_delayed("A", "k0", 0, delay_ms=300, partition=0, due=300)
+    early = b.send_delayed("A", "k0", 1, delay_ms=300, partition=0, due=301)
+    delivered = b.send_delayed("A", "k0", 2, delay_ms=300, partition=0, due=None)
+    plain = b.send("A", "k0", 3, ok=(0, offset(4)))
+    stored = [
+        Stored(0, offset(4), "k0", plain),
+        Stored(0, offset(250), "k0", delivered),  # "already delivered": no due time answered
+        Stored(0, offset(300), "k0", on_time),  # in the due millisecond
+        Stored(0, offset(300, 1), "k0", early),  # a millisecond early
+    ]
+    violations = checker.delivered_not_early(b.history(), stored)
+    assert len(violations) == 1 and early in violations[0] and "1 ms before" in violations[0]
+
+
+def test_key_order_of_delayed_sends_per_delay() -> None:
+    """Same key, same delay: send order. A plain send of the key, or a delayed one with another
+    delay, is not ordered against them."""
+    b = Builder()
+    d1 = b.send_delayed("A", "k0", 0, delay_ms=300, partition=0, due=300)
+    plain = b.send("A", "k0", 1, ok=(0, offset(2)))
+    d2 = b.send_delayed("A", "k0", 2, delay_ms=300, partition=0, due=302)
+    short = b.send_delayed("A", "k0", 3, delay_ms=10, partition=0, due=13)
+    stored = [
+        Stored(0, offset(2), "k0", plain),
+        Stored(0, offset(13), "k0", short),
+        Stored(0, offset(300), "k0", d1),
+        Stored(0, offset(302), "k0", d2),
+    ]
+    assert checker.key_order_in_log(b.history(), stored) == []
+    swapped = [*stored[:2], Stored(0, offset(302), "k0", d1), Stored(0, offset(300), "k0", d2)]
+    violations = checker.key_order_in_log(b.history(), swapped)
+    assert len(violations) == 1 and d2 in violations[0] and "delay_ms=300" in violations[0]

@@ -7,7 +7,8 @@ every history file and the topic as stored (broker.read of every partition) and 
 property per function, each returning a list of violations (empty: the property held):
 
     acknowledged_stored_once    every acknowledged send is stored exactly once, where answered
-    key_order_in_log            per (producer instance, key): stored in invoke order
+    key_order_in_log            per (producer instance, key, delay): stored in invoke order
+    delivered_not_early         an acknowledged delayed send is appended at or after its due time
     key_order_in_handling       per key: first handlings in log order, each after its predecessor
     one_handler_per_partition   handler calls of one partition never overlap (SIGSTOP excepted)
     all_handled                 every stored message is handled at least once

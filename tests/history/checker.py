@@ -163,7 +163,12 @@ class History:
 
 def _ok_where(ok: Event) -> str:
     offset = ok.get("offset")
-    where = f"{ok.get('partition')}/{offset}" if offset is not None else "offset unknown"
+    if offset is not None:
+        where = f"{ok.get('partition')}/{offset}"
+    elif ok.get("schedule_id") is not None:  # a delayed send: in the partition's schedule
+        where = f"{ok.get('partition')}/scheduled {ok['schedule_id']} due {ok.get('deliver_at_ms')}"
+    else:
+        where = "offset unknown"
     return where + (" duplicate" if ok.get("dup") else "")
 
 
@@ -178,7 +183,9 @@ def acknowledged_stored_once(
     lost_before: float | None = None,
 ) -> list[str]:
     """Every value whose send was acknowledged (send_ok, duplicate or not) is stored exactly once,
-    at the partition and offset answered when an offset was answered. No value is stored twice,
+    at the partition and offset answered when an offset was answered, in the partition answered
+    when only that was (a delayed send: answered once it was in the partition's schedule, stored
+    when it was delivered; its value names it). No value is stored twice,
     acknowledged or not. A send has one outcome. Unless foreign_ok, nothing is stored that no
     producer of the history sent (with foreign_ok, such entries are not checked at all).
 
@@ -210,12 +217,16 @@ def acknowledged_stored_once(
                 violations.append(
                     f"acknowledged but not stored: {value!r} ({who}), answered {_ok_where(ok)}"
                 )
-            elif ok.get("offset") is not None and len(where) == 1:
-                answered = (ok["partition"], ok["offset"])
-                if answered != (where[0].partition, where[0].offset):
+            elif len(where) == 1:
+                entry = where[0]
+                if ok.get("offset") is not None:
+                    wrong = (ok["partition"], ok["offset"]) != (entry.partition, entry.offset)
+                else:  # a delayed send (or an old duplicate): only its partition was answered
+                    wrong = ok.get("partition") not in (None, entry.partition)
+                if wrong:
                     violations.append(
                         f"{value!r} ({who}) acknowledged at {_ok_where(ok)} "
-                        f"but stored at {where[0].where()}"
+                        f"but stored at {entry.where()}"
                     )
     return violations
 
@@ -224,36 +235,66 @@ def acknowledged_stored_once(
 
 
 def key_order_in_log(history: History, stored: list[Stored]) -> list[str]:
-    """For each (producer instance, key), the messages that were stored sit in the log in the
-    order their sends were invoked (messages not stored are skipped: a failed send may be lost,
-    but what is stored must not be reordered)."""
+    """For each (producer instance, key, delay), the messages that were stored sit in the log in
+    the order their sends were invoked (messages not stored are skipped: a failed send may be
+    lost, but what is stored must not be reordered).
+
+    The delay (send_invoke's delay_ms, None for a plain send) is part of the class because that
+    is what redisq promises: plain sends of a key keep their send order, and so do delayed sends
+    of a key with the same delay (their due times follow the order in which the partition's
+    schedule stored them, equal due times go in send order); a delayed message never holds back
+    a plain one, nor a longer delay a shorter one."""
     violations = []
     position: dict[str, Stored] = {}
     for stored_entry in stored:
         position.setdefault(stored_entry.value, stored_entry)
     for inst, invokes in history.by_instance.items():
-        last: dict[str | None, tuple[Event, Stored]] = {}
+        last: dict[tuple[str | None, int | None], tuple[Event, Stored]] = {}
         for invoke in invokes:
             entry = position.get(invoke["value"])
             if entry is None:
                 continue
             key = invoke.get("key")
-            before = last.get(key)
+            delay = invoke.get("delay_ms")
+            before = last.get((key, delay))
             if before is not None:
                 prev_invoke, prev_entry = before
+                key_text = repr(key) if delay is None else f"{key!r} (delay_ms={delay})"
                 if entry.partition != prev_entry.partition:
                     violations.append(
-                        f"{inst} key {key!r}: {invoke['value']!r} stored in partition "
+                        f"{inst} key {key_text}: {invoke['value']!r} stored in partition "
                         f"{entry.partition}, the previous {prev_invoke['value']!r} in "
                         f"{prev_entry.partition}"
                     )
                 elif entry.position <= prev_entry.position:
                     violations.append(
-                        f"{inst} key {key!r}: {invoke['value']!r} (send #{invoke['seq']}) "
+                        f"{inst} key {key_text}: {invoke['value']!r} (send #{invoke['seq']}) "
                         f"stored at {entry.where()}, before {prev_invoke['value']!r} (send "
                         f"#{prev_invoke['seq']}) at {prev_entry.where()}"
                     )
-            last[key] = (invoke, entry)
+            last[(key, delay)] = (invoke, entry)
+    return violations
+
+
+def delivered_not_early(history: History, stored: list[Stored]) -> list[str]:
+    """Every stored copy of an acknowledged delayed send was appended at or after the due time
+    it was answered with (deliver_at_ms, the server's clock; the stream ID's milliseconds are the
+    append time, the same clock). A send answered "already delivered" has no due time (None) and
+    is not checked; nor are plain sends."""
+    violations = []
+    copies: dict[str, list[Stored]] = defaultdict(list)
+    for entry in stored:
+        copies[entry.value].append(entry)
+    for value, oks in history.oks.items():
+        due = [ok["deliver_at_ms"] for ok in oks if ok.get("deliver_at_ms") is not None]
+        if not due:
+            continue
+        for entry in copies.get(value, []):
+            if entry.ms < max(due):
+                violations.append(
+                    f"{value!r} appended at {entry.where()} (ms {entry.ms}), "
+                    f"{max(due) - entry.ms} ms before its due time {max(due)}"
+                )
     return violations
 
 
@@ -424,7 +465,12 @@ def no_fenced_writes(history: History, stored: list[Stored]) -> list[str]:
 
 # -- running them --------------------------------------------------------------------------------
 
-PRODUCE = ("acknowledged_stored_once", "key_order_in_log", "no_fenced_writes")
+PRODUCE = (
+    "acknowledged_stored_once",
+    "key_order_in_log",
+    "no_fenced_writes",
+    "delivered_not_early",
+)
 CONSUME = ("key_order_in_handling", "one_handler_per_partition", "all_handled")
 ALL = PRODUCE + CONSUME
 
@@ -447,6 +493,7 @@ def check(
         "one_handler_per_partition": lambda: one_handler_per_partition(history),
         "all_handled": lambda: all_handled(history, stored),
         "no_fenced_writes": lambda: no_fenced_writes(history, stored),
+        "delivered_not_early": lambda: delivered_not_early(history, stored),
     }
     return {name: functions[name]() for name in properties}
 

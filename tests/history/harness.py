@@ -188,6 +188,15 @@ class Run:
         for proc in procs:
             self.wait(partial(self.ended, proc), timeout, f"the stream of {proc} to end")
 
+    def wait_delivered(self, topic: str = TOPIC, timeout: float = DRAIN_S) -> None:
+        """Until the topic's schedules are empty (describe_topic's total_scheduled): every
+        delayed message stored has been appended to its partition (a delivery appends a message
+        and removes it from its schedule in one script). Something must deliver: a consumer of
+        the topic, or a producer that sent delayed messages to it, while it runs."""
+        with redisq.connect(self.url, namespace=self.namespace) as broker:
+            self.wait(lambda: broker.describe_topic(topic).total_scheduled == 0, timeout,
+                      f"every delayed message of {topic} to be delivered")  # fmt: skip
+
     def ended(self, proc: str) -> bool:
         return self.count("stream_end", proc) > 0
 

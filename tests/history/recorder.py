@@ -10,8 +10,10 @@ Event kinds (fields beyond the common ones):
     proc_start        pid
     proc_exit         (the process is about to exit cleanly)
     init_done         inst, name, server_ms, producer_id, epoch    a producer instance is ready
-    send_invoke       inst, name, key, value, seq                 before send()/send_async()
-    send_ok           inst, value, partition, offset, dup
+    send_invoke       inst, name, key, value, seq [, delay_ms]    before send()/send_async()
+    send_ok           inst, value, partition, offset, dup [, schedule_id, deliver_at_ms]
+                      (a delayed send: offset None, the message is in the partition's schedule;
+                      deliver_at_ms is its due time, None when it had already been delivered)
     send_fail         inst, value, error, message
     handle_start      member, call, partition, offset, key, value, attempt, server_ms
     handle_end        member, call, partition, offset, server_ms

@@ -12,12 +12,14 @@ fails in bounded time.
 
 The producer is one instance (instance id = --proc) driven by JSON commands on stdin, one per
 line, each answered by one JSON line on stdout once done:
-    {"op": "stream", "count": N|null, "rate": R, "keys": K}   start sending in the background:
-        send_async of N messages (null: until "stop") at about R per second, keys k0..k(K-1)
-        in turn; values "<instance>:<n>" are unique in the run
+    {"op": "stream", "count": N|null, "rate": R, "keys": K, "delay_ms": D|null}   start
+        sending in the background: send_async of N messages (null: until "stop") at about R per
+        second, keys k0..k(K-1) in turn; values "<instance>:<n>" are unique in the run; with
+        delay_ms, delayed sends (send_async(..., delay_ms=D): stored in the partition's
+        schedule, appended when due)
     {"op": "stop"}                     stop the stream (answers how many it invoked)
-    {"op": "send", "key": K, "count": N}  send() N messages one by one (blocking); answers each
-        message's outcome and how long send() took
+    {"op": "send", "key": K, "count": N, "delay_ms": D|null}  send() N messages one by one
+        (blocking); answers each message's outcome and how long send() took
     {"op": "flush", "timeout_s": S}    {"op": "close", "timeout_s": S}    {"op": "exit"}
 The consumer runs consumer.run(handler) until SIGTERM; the handler records handle_start, sleeps
 --work-ms, records handle_end.
@@ -73,17 +75,27 @@ class ProducerWorker:
         self.stream_stop = threading.Event()
         self.streamed = 0
 
-    def _next(self, key: str) -> tuple[str, int]:
+    def _next(self, key: str, delay_ms: int | None = None) -> tuple[str, int]:
         with self.seq_lock:
             n = self.seq
             self.seq += 1
         value = f"{self.inst}:{n}"
+        delayed = {"delay_ms": delay_ms} if delay_ms is not None else {}
         self.recorder.record(
-            "send_invoke", inst=self.inst, name=self.args.name, key=key, value=value, seq=n
+            "send_invoke",
+            inst=self.inst,
+            name=self.args.name,
+            key=key,
+            value=value,
+            seq=n,
+            **delayed,
         )
         return value, n
 
     def _ok(self, value: str, meta: redisq.RecordMetadata) -> None:
+        delayed: dict[str, Any] = {}
+        if meta.schedule_id is not None:  # a delayed send: offset None until it is delivered
+            delayed = {"schedule_id": meta.schedule_id, "deliver_at_ms": meta.deliver_at_ms}
         self.recorder.record(
             "send_ok",
             inst=self.inst,
@@ -91,6 +103,7 @@ class ProducerWorker:
             partition=meta.partition,
             offset=meta.offset,
             dup=bool(meta.duplicate),
+            **delayed,
         )
 
     def _fail(self, value: str, exc: BaseException) -> None:
@@ -106,8 +119,8 @@ class ProducerWorker:
 
         return done
 
-    def _stream(self, count: int | None, rate: float, keys: int) -> None:
-        """send_async at about `rate` per second, in ticks of 10 ms."""
+    def _stream(self, count: int | None, rate: float, keys: int, delay_ms: int | None) -> None:
+        """send_async at about `rate` per second, in ticks of 10 ms (delayed by delay_ms)."""
         per_tick = max(1, round(rate / 100))
         started = time.monotonic()
         sent = 0
@@ -117,10 +130,12 @@ class ProducerWorker:
                 if count is not None and sent >= count:
                     break
                 key = f"k{sent % keys}"
-                value, _ = self._next(key)
+                value, _ = self._next(key, delay_ms)
                 sent += 1
                 try:
-                    future = self.producer.send_async(self.args.topic, value, key=key)
+                    future = self.producer.send_async(
+                        self.args.topic, value, key=key, delay_ms=delay_ms
+                    )
                 except (redisq.ProducerFenced, redisq.ProducerClosed) as exc:
                     self._fail(value, exc)
                     reason = type(exc).__name__
@@ -143,7 +158,12 @@ class ProducerWorker:
             self.stream_stop.clear()
             self.stream_thread = threading.Thread(
                 target=self._stream,
-                args=(command.get("count"), float(command.get("rate", 500)), command["keys"]),
+                args=(
+                    command.get("count"),
+                    float(command.get("rate", 500)),
+                    command["keys"],
+                    command.get("delay_ms"),
+                ),
                 daemon=True,
             )
             self.stream_thread.start()
@@ -155,12 +175,15 @@ class ProducerWorker:
             return {"invoked": self.streamed}
         if op == "send":
             outcomes = []
+            delay_ms = command.get("delay_ms")
             for _ in range(int(command.get("count", 1))):
-                value, _ = self._next(command["key"])
+                value, _ = self._next(command["key"], delay_ms)
                 started = time.monotonic()
                 outcome: dict[str, Any] = {"value": value}
                 try:
-                    meta = self.producer.send(self.args.topic, value, key=command["key"])
+                    meta = self.producer.send(
+                        self.args.topic, value, key=command["key"], delay_ms=delay_ms
+                    )
                 except Exception as exc:
                     self._fail(value, exc)
                     outcome.update(_error(exc))
