@@ -28,7 +28,8 @@ def check_acks(acks: str, *, server: str) -> Operation[None]:
     confirm: UnsupportedServer. "replicas" needs WAIT (a server may rename or disable it, or an
     ACL deny it), "fsync" needs WAITAOF (Redis >= 7.2, Valkey >= 8) on a server with appendonly
     yes. On Redis Cluster every primary is asked (the producer waits on each primary after its
-    own writes). Each probe returns at once: it waits for nothing."""
+    own writes); one that does not answer is not judged here (its batches fail or wait as any
+    write there would). Each probe returns at once: it waits for nothing."""
     if acks == "leader":
         return
     probe: tuple[Any, ...] = ("WAIT", 0, 0) if acks == "replicas" else ("WAITAOF", 0, 0, 0)
@@ -42,7 +43,7 @@ def check_acks(acks: str, *, server: str) -> Operation[None]:
             ) from reply
     if acks == "fsync":
         aof = yield Command(("INFO", "persistence"), _aof_enabled, nodes="primaries")
-        without = sorted(node for node, enabled in aof.items() if enabled is not True)
+        without = sorted(node for node, enabled in aof.items() if enabled is False)
         if without:  # WAITAOF 1 would fail on every batch until the delivery timeout
             where = ", ".join(_where(server, node) for node in without)
             raise UnsupportedServer(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
-from redis.exceptions import AskError, ClusterError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, ClusterError, TryAgainError
 
 from redisq.errors import LeaseLost, TopicNotFound
 from redisq.keys import KeySpace
@@ -54,7 +54,8 @@ DELIVER_LIMIT = 1_000  # messages per deliver_due call
 METADATA_MAX_AGE_S = 5.0
 MAX_BACKOFF_S = 1.0
 
-NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# ClusterDownError: a failover in progress (the slot has no primary yet), gone in seconds
+NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, ClusterDownError)
 TopicPartition = tuple[str, int]
 
 

@@ -17,6 +17,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -156,8 +157,8 @@ class Scripts:
             try:
                 reply = self._client.execute_command(*step.args, **options)
                 out[node_name(node)] = step.decode(reply)
-            except ResponseError as exc:
-                out[node_name(node)] = exc
+            except (ResponseError, redis.ConnectionError, redis.TimeoutError) as exc:
+                out[node_name(node)] = exc  # one node's answer, or that it gave none
         return out
 
     def _pipeline(self, steps: list[ScriptCall[Any] | Command[Any]]) -> list[Any]:

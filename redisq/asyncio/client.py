@@ -203,8 +203,8 @@ class AsyncScripts:
                 with closed_mid_write():
                     reply = await self._client.execute_command(*step.args, **options)
                 out[node_name(node)] = step.decode(reply)
-            except ResponseError as exc:
-                out[node_name(node)] = exc
+            except (ResponseError, redis.ConnectionError, redis.TimeoutError) as exc:
+                out[node_name(node)] = exc  # one node's answer, or that it gave none
         return out
 
     async def _raw_pipeline(self, steps: list[Step]) -> list[Any]:

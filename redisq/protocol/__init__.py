@@ -52,7 +52,8 @@ class Command(Generic[T]):
     nodes: where it runs on Redis Cluster (one server otherwise, named ""):
       "one"        any node (a keyless command; on a transport round, the node of the step before)
       "primaries"  every primary, alone (not in a list of steps): the result is a dict of node
-                   name -> decoded reply, or the exception in place of a node's failed reply
+                   name -> decoded reply, or the error in its place (an error reply, no
+                   connection, a timeout)
       "written"    on a transport round (StepRound): after the steps of every node the round
                    wrote to; the result maps the index of each step before it to the decoded
                    reply (or exception) of the command on that step's node
