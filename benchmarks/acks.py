@@ -9,7 +9,8 @@ messages with send_async and then flush(), once per acks level: "leader" (the sc
 primary), "replicas" (WAIT 1 on each primary after its own writes) and "fsync" (WAITAOF 1 0 on
 each primary). Each runs R times, interleaved; the median counts, and the ratio is to "leader"
 on the same deployment. Then the median time of one send() (20 in a row, each waiting for its
-acknowledgement) at each level. Every server shares this machine's cores with the client, so the
+acknowledgement) and the rate of one-message transactions committed one after another (200, Kafka
+style) at each level. Every server shares this machine's cores with the client, so the
 figures say what the waits cost here, not on separate hosts.
 """
 
@@ -84,6 +85,22 @@ def send_latency_ms(url: str, acks: str, n: int = 20) -> float:
     return statistics.median(times) * 1000
 
 
+def commits_per_s(url: str, acks: str, n: int = 200) -> float:
+    """Transactions of one message each, committed one after another (Kafka style)."""
+    namespace = f"bt{uuid.uuid4().hex[:8]}"
+    with redisq.connect(url, namespace=namespace) as broker:
+        broker.create_topic("bench", partitions=1)
+        options = {"name": f"bench-{uuid.uuid4().hex[:6]}", "transactional": True, "acks": acks}
+        with broker.producer(**options) as producer:
+            start = time.perf_counter()
+            for i in range(n):
+                with producer.transaction() as transaction:
+                    transaction.send("bench", PAYLOAD, key=b"key-%d" % i)
+            elapsed = time.perf_counter() - start
+        broker.delete_topic("bench")
+    return n / elapsed
+
+
 def run_produce(url: str, partitions: int, acks: str, n: int) -> float:
     namespace = f"ba{uuid.uuid4().hex[:8]}"
     keys = [b"key-%d" % (i % 1000) for i in range(n)]
@@ -124,9 +141,12 @@ def main() -> None:
                 for level in LEVELS
             }
             medians = run_rounds(variants, args.repeat)
-            latency = {f'acks="{level}"': f"{send_latency_ms(url, level):.2f}" for level in LEVELS}
-        rows += [[label, *row] for row in ratio_rows(medians, 'acks="leader"', latency)]
-    headers = ["deployment", "acks", "msg/s", "ratio to leader", "send() median ms"]
+            latency = {f'acks="{level}"': send_latency_ms(url, level) for level in LEVELS}
+            commits = {f'acks="{level}"': commits_per_s(url, level) for level in LEVELS}
+        for row in ratio_rows(medians, 'acks="leader"'):
+            name = row[0]
+            rows.append([label, *row, f"{latency[name]:.2f}", f"{commits[name]:,.0f}"])
+    headers = ["deployment", "acks", "msg/s", "ratio to leader", "send() median ms", "commits/s"]
     print_table(headers, rows, args.markdown, text_columns=[1])
 
 
