@@ -12,6 +12,7 @@ REDIS_URL or from a redis-server on PATH), and a fresh namespace per test.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ import redis
 import redisq
 from tests.aio import Env
 from tests.history.proxy import Proxy
+from tests.replication import start_replica
 from tests.servers import ServerProcess, binary_for, redis_binary, start_cluster
 
 
@@ -177,3 +179,18 @@ def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, Pro
     yield server, proxy
     proxy.stop()
     server.stop()
+
+
+@pytest.fixture(params=["valkey", "redis"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A primary and one replica in sync."""
+    primary = ServerProcess(binary_for(request.param)).start()
+    replica = None
+    try:
+        replica = start_replica(primary)
+        yield primary, replica
+    finally:
+        if replica is not None:
+            replica.kill(signal.SIGCONT)  # a test may have stopped it
+            replica.stop()
+        primary.stop()

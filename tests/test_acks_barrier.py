@@ -25,32 +25,16 @@ import pytest
 
 import redisq
 import redisq.asyncio
-from tests.replication import in_sync, start_replica, wait_for
+from tests.history.deployments import node_id, start_cluster_with_replicas
+from tests.replication import in_sync, wait_for
 from tests.servers import (
-    CLUSTER_NODE_CONFIG,
     ServerProcess,
-    binary_for,
-    cluster_free_port,
     redis_binary,
-    start_cluster,
 )
-from tests.test_cluster import node_id
 
 pytestmark = pytest.mark.fault
 
 TOPIC = "orders"
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    primary = ServerProcess(binary_for(request.param)).start()
-    replica = start_replica(primary)
-    try:
-        yield primary, replica
-    finally:
-        replica.kill(signal.SIGCONT)
-        replica.stop()
-        primary.stop()
 
 
 def kill_clients(primary: ServerProcess) -> None:
@@ -134,31 +118,11 @@ def redis_cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[Se
     binary = redis_binary()
     if binary is None:
         pytest.skip("no redis-server on PATH")
-    primaries = start_cluster(binary, masters=3)
-    replicas: list[ServerProcess] = []
+    deployment = start_cluster_with_replicas(binary)
     try:
-        for primary in primaries:
-            replica = ServerProcess(binary, port=cluster_free_port(), config=CLUSTER_NODE_CONFIG)
-            replicas.append(replica.start())
-            with primary.client() as client:
-                client.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port)
-        wait_for(
-            lambda: all(
-                b"cluster_known_nodes:6" in r.client().execute_command("CLUSTER", "INFO")
-                for r in replicas
-            ),
-            what="the replicas to join",
-        )
-        for primary, replica in zip(primaries, replicas, strict=True):
-            with replica.client() as client:
-                client.execute_command("CLUSTER", "REPLICATE", node_id(primary))
-        wait_for(
-            lambda: all(in_sync(p, r) for p, r in zip(primaries, replicas, strict=True)),
-            what="the replicas in sync",
-        )
-        yield primaries, replicas
+        yield deployment.primaries, deployment.replicas
     finally:
-        for node in replicas + primaries:
+        for node in deployment.processes:
             node.kill(signal.SIGCONT)
             node.stop()
 

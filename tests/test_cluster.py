@@ -14,6 +14,7 @@ group consuming across masters and a slot migration under a consuming group.
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -28,13 +29,13 @@ import redis
 import redisq
 from redisq.producer import SendFuture
 from redisq.transport import Redirect, Transport
-from tests.replication import in_sync, wait_for
+from tests.history.deployments import start_cluster_with_replicas
+from tests.replication import wait_for
 from tests.servers import (
-    CLUSTER_NODE_CONFIG,
     ServerProcess,
-    cluster_free_port,
     redis_binary,
     start_cluster,
+    valkey_binary,
 )
 
 pytestmark = pytest.mark.cluster
@@ -440,34 +441,13 @@ def test_slot_migration_while_consuming(
 
 @pytest.fixture
 def cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[ServerProcess]]]:
-    primaries = start_cluster(None, masters=3)
-    replicas: list[ServerProcess] = []
+    """Three Valkey primaries with a replica each, in sync."""
+    deployment = start_cluster_with_replicas(valkey_binary())
     try:
-        for primary in primaries:
-            replica = ServerProcess(
-                port=cluster_free_port(),
-                config=CLUSTER_NODE_CONFIG,
-            ).start()
-            replicas.append(replica)
-            with primary.client() as client:
-                client.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port)
-        wait_for(
-            lambda: all(
-                b"cluster_known_nodes:6" in r.client().execute_command("CLUSTER", "INFO")
-                for r in replicas
-            ),
-            what="the replicas to join",
-        )
-        for primary, replica in zip(primaries, replicas, strict=True):
-            with replica.client() as client:
-                client.execute_command("CLUSTER", "REPLICATE", node_id(primary))
-        wait_for(  # in sync, not only connected: a replica still loading acknowledges nothing
-            lambda: all(in_sync(p, r) for p, r in zip(primaries, replicas, strict=True)),
-            what="every primary to have its replica in sync",
-        )
-        yield primaries, replicas
+        yield deployment.primaries, deployment.replicas
     finally:
-        for node in replicas + primaries:
+        for node in deployment.processes:
+            node.kill(signal.SIGCONT)  # a test may have stopped it
             node.stop()
 
 

@@ -21,7 +21,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 
@@ -45,20 +44,6 @@ def server_version(server: ServerProcess) -> tuple[int, ...]:
 @pytest.fixture
 def namespace() -> str:
     return f"d{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """A primary and one replica in sync."""
-    primary = ServerProcess(binary_for(request.param)).start()
-    replica = None
-    try:
-        replica = start_replica(primary)
-        yield primary, replica
-    finally:
-        if replica is not None:
-            replica.stop()
-        primary.stop()
 
 
 def stored_values(url: str, namespace: str) -> list[bytes]:

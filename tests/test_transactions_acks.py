@@ -19,15 +19,14 @@ import asyncio
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import redisq
 import redisq.asyncio
-from tests.replication import in_sync, start_replica, wait_for
-from tests.servers import ServerProcess, binary_for
+from tests.replication import in_sync, wait_for
+from tests.servers import ServerProcess
 from tests.test_cluster import cluster_with_replicas  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.fault
@@ -36,21 +35,6 @@ TOPIC = "orders"
 API = pytest.mark.parametrize("api", ["sync", "asyncio"])
 STYLE = pytest.mark.parametrize("style", ["kafka", "rocketmq"])
 DELIVERY_TIMEOUT_MS = 1500
-
-
-@pytest.fixture(params=["valkey", "redis"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """A primary and one replica in sync."""
-    primary = ServerProcess(binary_for(request.param)).start()
-    replica = None
-    try:
-        replica = start_replica(primary)
-        yield primary, replica
-    finally:
-        if replica is not None:
-            replica.kill(signal.SIGCONT)
-            replica.stop()
-        primary.stop()
 
 
 def replica_values(replica: ServerProcess, key: str) -> list[bytes]:
