@@ -25,7 +25,11 @@ import pytest
 
 import redisq
 import redisq.asyncio
-from tests.history.deployments import node_id, start_cluster_with_replicas
+from tests.history.deployments import (
+    node_id,
+    partition_away_from_registry,
+    start_cluster_with_replicas,
+)
 from tests.replication import in_sync, wait_for
 from tests.servers import (
     ServerProcess,
@@ -136,14 +140,8 @@ def test_a_commit_is_not_confirmed_on_the_node_its_slot_is_moving_to(
     url = f"redis://127.0.0.1:{primaries[0].port}"
     with redisq.connect(url, namespace=namespace) as broker:
         broker.create_topic(TOPIC, partitions=12)
-        owner = {
-            p.partition: int(str(p.node).rsplit(":", 1)[1])
-            for p in broker.describe_topic(TOPIC).partitions
-        }
-        registry = broker.client.get_node_from_key(broker.keys.transactions()).port
-        source = next(p for p in primaries if p.port != registry and p.port in owner.values())
+        source, partition = partition_away_from_registry(broker, TOPIC, primaries)
         target = next(p for p in primaries if p is not source)
-        partition = min(p for p, port in owner.items() if port == source.port)
         slot = broker.client.keyslot(broker.keys.log(TOPIC, partition))
         replica = replicas[primaries.index(source)]
 

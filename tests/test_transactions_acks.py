@@ -25,6 +25,7 @@ import pytest
 
 import redisq
 import redisq.asyncio
+from tests.history.deployments import partition_away_from_registry, partition_ports
 from tests.replication import in_sync, wait_for
 from tests.servers import ServerProcess
 from tests.test_cluster import cluster_with_replicas  # noqa: F401 - a fixture
@@ -229,13 +230,9 @@ def test_commit_on_a_cluster_confirms_on_each_node_it_wrote_to(
     url = f"redis://127.0.0.1:{primaries[0].port}"
     with redisq.connect(url, namespace=namespace) as broker:
         broker.create_topic(TOPIC, partitions=12)
-        owner = {
-            p.partition: int(str(p.node).rsplit(":", 1)[1])
-            for p in broker.describe_topic(TOPIC).partitions
-        }
-        registry = broker.client.get_node_from_key(broker.keys.transactions()).port
-    # A primary that holds partitions but not the transactions' registry loses its replica.
-    victim = next(p for p in primaries if p.port != registry and p.port in owner.values())
+        owner = partition_ports(broker, TOPIC)
+        # A primary that holds partitions but not the transactions' registry loses its replica.
+        victim, _ = partition_away_from_registry(broker, TOPIC, primaries)
     replicas[primaries.index(victim)].kill()
     wait_for(
         lambda: victim.client().info("replication")["connected_slaves"] == 0,

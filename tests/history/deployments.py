@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tests.replication import SERVICE, SentinelProcess, in_sync, start_replica, wait_for
 from tests.servers import (
@@ -137,3 +138,20 @@ def start_cluster_with_replicas(binary: str, masters: int = 3) -> ClusterDeploym
         for node in replicas + primaries:
             node.stop()
         raise
+
+
+def partition_ports(broker: Any, topic: str) -> dict[int, int]:
+    """Each partition of topic: the port of the primary that holds it."""
+    partitions = broker.describe_topic(topic).partitions
+    return {p.partition: int(str(p.node).rsplit(":", 1)[1]) for p in partitions}
+
+
+def partition_away_from_registry(
+    broker: Any, topic: str, primaries: list[ServerProcess]
+) -> tuple[ServerProcess, int]:
+    """A primary that holds partitions of topic but not the namespace's transactions registry,
+    and its first partition."""
+    owners = partition_ports(broker, topic)
+    registry = broker.client.get_node_from_key(broker.keys.transactions()).port
+    node = next(p for p in primaries if p.port != registry and p.port in owners.values())
+    return node, min(p for p, port in owners.items() if port == node.port)
