@@ -25,9 +25,13 @@ def scheduled(broker: redisq.Broker) -> str:
 
 
 def spoil(broker: redisq.Broker, lease: str) -> None:
-    """The lease key as a hash: every script that reads it (the hand-back too) gets WRONGTYPE."""
-    broker.client.delete(lease)
-    broker.client.hset(lease, "not", "a lease")
+    """The lease key as a hash: every script that reads it (the hand-back too) gets WRONGTYPE.
+    In one step: the running scheduler may take the lease again between a DEL and an HSET."""
+    broker.client.eval(
+        "redis.call('DEL', KEYS[1]); return redis.call('HSET', KEYS[1], 'not', 'a lease')",
+        1,
+        lease,
+    )
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
