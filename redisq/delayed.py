@@ -38,7 +38,7 @@ from redisq.errors import (
 from redisq.keys import KeySpace
 from redisq.protocol import Step
 from redisq.protocol import schedule as calls
-from redisq.protocol.produce import ProducerIdentity, ack_barrier, ack_wait
+from redisq.protocol.produce import ProducerIdentity, replicated
 from redisq.protocol.schedule import Scheduled, ScheduleResult
 from redisq.records import RecordMetadata
 from redisq.scheduler import NETWORK_ERRORS
@@ -270,8 +270,8 @@ class DelayedCore:
         if s.acks != "leader":
             # A barrier write per batch on its node's connection before WAIT / WAITAOF: a retry
             # answered as already scheduled writes nothing (see lua/ack_barrier.lua).
-            out += [ack_barrier(keys.log(b.topic, b.partition)) for b in batches]
-            out.append(ack_wait(s.acks, s.min_replicas, s.ack_timeout_ms))
+            anchors = [keys.log(b.topic, b.partition) for b in batches]
+            out += replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
         for batch in batches:
             batch.sent = True
         return out

@@ -23,7 +23,7 @@ from redisq.errors import InvalidConfig, ProducerClosed, RedisqError, Transactio
 from redisq.handle import BrokerHandle
 from redisq.protocol import Operation, run_operation
 from redisq.protocol import transactions as tx
-from redisq.protocol.produce import BatchResult, ProducerIdentity
+from redisq.protocol.produce import BatchResult, ProducerIdentity, replicated
 from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
@@ -278,7 +278,7 @@ class Transactions:
         s = self.settings
         if s.acks == "leader":
             return
-        steps = tx.replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
+        steps = replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
         confirmation = Confirmation(tx_id, s)
         scripts = self.producer.broker.scripts
         with self._confirming:

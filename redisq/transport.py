@@ -321,7 +321,10 @@ class StepRound:
             else:
                 payload = command(str(step.args[0]).encode(), step.args[1:])
                 if step.nodes == "written":
-                    for written in dict.fromkeys(self._node_of[j] for j in range(i)):
+                    # every node a step before it was sent to (a Command with nodes="written"
+                    # before it has no node of its own)
+                    written_to = (self._node_of[j] for j in range(i) if j in self._node_of)
+                    for written in dict.fromkeys(written_to):
                         parts[written].append(payload)
                         self._slots[written].append(i)
                     continue

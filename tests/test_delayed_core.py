@@ -10,7 +10,7 @@ import redis
 from redisq.delayed import DelayedBatch, DelayedCore, ScheduleIds
 from redisq.errors import DeliveryTimeout, LeaseLost, NotEnoughReplicas, TopicNotFound
 from redisq.keys import KeySpace
-from redisq.protocol.produce import ProducerIdentity
+from redisq.protocol.produce import ProducerIdentity, ack_barrier, ack_wait
 from redisq.protocol.schedule import Delivered, Scheduled, ScheduleResult
 from redisq.scheduler import (
     ACQUIRE_INTERVAL_MS,
@@ -253,3 +253,19 @@ def test_a_written_command_goes_after_each_nodes_writes_and_answers_for_them() -
     results = round_.results({"a": [refused, refused, 1, 1, 0], "b": [refused, 1, 1]})
     # steps: 0-2 schedules, 3-5 barriers, 6 WAIT; each: the WAIT of its own node
     assert results[6] == {0: 0, 1: 1, 2: 0, 3: 0, 4: 1, 5: 0}
+
+
+def test_a_second_written_command_goes_to_the_nodes_written_before_it() -> None:
+    # Two confirmations in one round: the second follows the writes of every step before it, the
+    # first WAIT (which has no node of its own) aside.
+    first, second = [ack_barrier(KEYS.log("t", p)) for p in (0, 1)]
+    wait = ack_wait("replicas", 1, 1000)
+    round_ = StepRound(
+        [first, wait, second, wait],
+        lambda call: b"EVALSHA %d\n" % call.keys[0].count(":1}"),
+        TwoNodes(),
+    )
+    assert round_.expected() == {"a": 3, "b": 2}  # a: barrier, WAIT, WAIT; b: barrier, WAIT
+    results = round_.results({"a": [1, 1, 0], "b": [1, 1]})
+    assert results[1] == {0: 1}
+    assert results[3] == {0: 0, 2: 1}

@@ -27,7 +27,7 @@ from redisq.asyncio.transport import AsyncTransport
 from redisq.errors import InvalidConfig, RedisqError, TransactionDecided
 from redisq.protocol import Operation
 from redisq.protocol import transactions as tx
-from redisq.protocol.produce import BatchResult, ProducerIdentity
+from redisq.protocol.produce import BatchResult, ProducerIdentity, replicated
 from redisq.records import Message, RecordMetadata
 from redisq.sending import MessageEncoder
 from redisq.settings import ProducerSettings
@@ -247,7 +247,7 @@ class Transactions:
         s = self.settings
         if s.acks == "leader":
             return
-        steps = tx.replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
+        steps = replicated(anchors, s.acks, s.min_replicas, s.ack_timeout_ms)
         confirmation = Confirmation(tx_id, s)
         scripts = self.producer.broker.scripts
         async with self._confirming:

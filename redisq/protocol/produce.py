@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from redisq.keys import KeySpace
-from redisq.protocol import Command, ScriptCall, text
+from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.resp import bulk_header
 from redisq.topic import TopicConfig
 
@@ -298,3 +298,10 @@ def ack_wait(acks: str, min_replicas: int, ack_timeout_ms: int) -> Command[Any]:
     if acks == "replicas":
         return Command(("WAIT", min_replicas, ack_timeout_ms), nodes="written")
     return Command(("WAITAOF", 1, 0, ack_timeout_ms), nodes="written")
+
+
+def replicated(anchors: list[str], acks: str, min_replicas: int, ack_timeout_ms: int) -> list[Step]:
+    """The steps that confirm acks="replicas" / "fsync" for writes already made in the slots of
+    `anchors`: ack_barrier.lua in each, then WAIT / WAITAOF after each node's own barriers. The
+    last result maps each barrier's index to its node's WAIT / WAITAOF reply."""
+    return [*map(ack_barrier, anchors), ack_wait(acks, min_replicas, ack_timeout_ms)]

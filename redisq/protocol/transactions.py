@@ -10,7 +10,7 @@ from typing import Any
 from redisq.keys import KeySpace
 from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.group import Commit, Lease, parked_and_held, record_args
-from redisq.protocol.produce import BatchResult, ack_barrier, ack_wait
+from redisq.protocol.produce import BatchResult
 from redisq.protocol.resp import decode_bulks
 from redisq.topic import TopicConfig
 
@@ -380,10 +380,3 @@ def barrier_keys(
     found += [keys.log(b.topic, b.partition) for b in batches]
     found += [keys.log(p.topic, p.partition) for p in positions]
     return list(dict.fromkeys(found))
-
-
-def replicated(anchors: list[str], acks: str, min_replicas: int, ack_timeout_ms: int) -> list[Step]:
-    """The steps that confirm acks="replicas" / "fsync" for writes already made in the slots of
-    `anchors`: ack_barrier.lua in each, then WAIT / WAITAOF after each node's own barriers. The
-    last result maps each barrier's index to its node's WAIT / WAITAOF reply."""
-    return [*map(ack_barrier, anchors), ack_wait(acks, min_replicas, ack_timeout_ms)]
