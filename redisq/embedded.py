@@ -53,6 +53,15 @@ LOG_FILE = "valkey.log"
 DATA_DIR = "data"
 START_TIMEOUT_S = 60.0  # a server with a large append-only file takes a while to load it
 _PR_SET_PDEATHSIG = 1
+# The embedded valkey-server is built with glibc's malloc, whose per-thread cache keeps 7 freed
+# chunks per size by default. A produce call frees thousands of small objects of a few sizes (the
+# arguments of a 500-message batch); past the cache they go to the fast bins, and consolidating
+# those costs more the larger the heap grows: on a server with AOF, 4.0 µs of CPU per message in
+# a run's first 200,000 and 5.9 µs in its fourth. With room for 65,535 per size the cost stays at
+# 3.1-3.3 µs (README, Produce). glibc ignores a tunable it does not know; other C libraries
+# ignore the variable.
+MALLOC_TUNABLE = "glibc.malloc.tcache_count"
+MALLOC_TCACHE_COUNT = 65535
 
 __all__ = [
     "EmbeddedServerError",
@@ -210,7 +219,11 @@ def _start_daemon(root: Path, port: int | None, timeout: float) -> ServerState:
         args += ["--daemonize", "yes", "--pidfile", str(pid_file)]
         offset = _log_size(log_file)
         launcher = subprocess.run(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=server_environment(),
         )
         if launcher.returncode != 0:  # a configuration error, found before it forks
             raise EmbeddedServerError(
@@ -313,6 +326,7 @@ def start_child_server(
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                env=server_environment(),
                 preexec_fn=_die_with_parent(os.getpid()),
             )
             server = ThrowawayServer(chosen, process, None if temporary else directory)
@@ -367,6 +381,18 @@ def _die_with_parent(parent: int) -> Any:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+def server_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an embedded valkey-server starts with: environ (default: this process's),
+    with glibc's per-thread cache of freed chunks enlarged (MALLOC_TUNABLE) unless environ's
+    GLIBC_TUNABLES already sets it."""
+    env = dict(os.environ if environ is None else environ)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if f"{MALLOC_TUNABLE}=" not in tunables:
+        ours = f"{MALLOC_TUNABLE}={MALLOC_TCACHE_COUNT}"
+        env["GLIBC_TUNABLES"] = f"{tunables}:{ours}" if tunables else ours
+    return env
+
+
 def _server_args(port: int, directory: Path, log_file: Path) -> list[str]:
     return [
         valkey_binary(),
