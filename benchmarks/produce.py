@@ -12,7 +12,8 @@ redisq.asyncio rows do the same on the asyncio producer (send_async returns an a
 per message; the caller yields to the loop every 1,000 sends). Without --url or REDIS_URL it
 uses the embedded valkey-server. --retention-ms gives the topics retention by age (the message_id
 script then trims exactly before each batch); --only keeps the rows whose name contains TEXT
-(and the raw XADD baseline).
+(and the raw XADD baseline); --backlog N writes N messages to a topic of its own first and
+keeps them until the end, as a server that holds data (message ids included).
 """
 
 from __future__ import annotations
@@ -155,10 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retention-ms", type=int, default=0, help="topics' retention by age")
     parser.add_argument("--only", default="", help="keep the rows whose name contains this")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        help="messages a topic of its own holds during the run (a server holding data)",
+    )
     args = parser.parse_args(argv)
 
     broker = redisq.connect(args.url, namespace=f"bench-{uuid.uuid4().hex[:6]}")
     client = broker.client
+    if args.backlog:
+        print(f"writing a backlog of {args.backlog:,} messages", file=sys.stderr)
+        broker.create_topic("backlog", partitions=PARTITIONS)
+        with broker.producer(idempotence="message_id") as producer:
+            for i in range(args.backlog):
+                producer.send_async("backlog", PAYLOAD, key=b"key-%d" % (i % 1000))
     variants = {
         "raw redis-py XADD, pipelined 1000": lambda: run_raw(
             client, broker.namespace, args.messages
@@ -181,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = {k: v for k, v in variants.items() if k == baseline or args.only in k}
     medians = run_rounds(variants, args.repeat)
     retention = f", retention_ms {args.retention_ms}" if args.retention_ms else ""
+    if args.backlog:
+        retention += f", a backlog of {args.backlog:,} messages held"
+        broker.delete_topic("backlog")
     print(
         f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "
         f"median of {args.repeat}{retention}"
