@@ -335,21 +335,19 @@ class Round:
             entries.append((batch, call.decode))
             if node not in anchors or anchors[node][1]:
                 anchors[node] = (key, asked)
+        wait = b""  # WAIT / WAITAOF, packed once for every node of the round
+        if settings.acks != "leader":
+            step = protocol.ack_wait(settings.acks, settings.min_replicas, settings.ack_timeout_ms)
+            wait = command(step.args[0].encode(), step.args[1:])
         for node, parts in parts_by_node.items():
-            if settings.acks != "leader":
+            if wait:
                 # A barrier write of this connection's own before WAIT / WAITAOF: a batch whose
                 # retry is answered as a duplicate writes nothing, and on a new connection WAIT
                 # would then confirm nothing (see lua/ack_barrier.lua).
                 anchor, asked = anchors[node]
                 if asked:
                     parts.append(command(b"ASKING", ()))
-                wait = protocol.ack_wait(
-                    settings.acks, settings.min_replicas, settings.ack_timeout_ms
-                )
-                parts += [
-                    pack(protocol.ack_barrier(anchor)),
-                    command(wait.args[0].encode(), wait.args[1:]),
-                ]
+                parts += [pack(protocol.ack_barrier(anchor)), wait]
                 round_.tails[node] = 3 if asked else 2
             round_.payloads[node] = b"".join(parts)
         return round_

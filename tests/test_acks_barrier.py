@@ -28,7 +28,7 @@ import redisq.asyncio
 from tests.history.deployments import (
     node_id,
     partition_away_from_registry,
-    start_cluster_with_replicas,
+    running_cluster_with_replicas,
 )
 from tests.replication import in_sync, wait_for
 from tests.servers import (
@@ -122,13 +122,8 @@ def redis_cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[Se
     binary = redis_binary()
     if binary is None:
         pytest.skip("no redis-server on PATH")
-    deployment = start_cluster_with_replicas(binary)
-    try:
-        yield deployment.primaries, deployment.replicas
-    finally:
-        for node in deployment.processes:
-            node.kill(signal.SIGCONT)
-            node.stop()
+    with running_cluster_with_replicas(binary) as nodes:
+        yield nodes
 
 
 @pytest.mark.cluster

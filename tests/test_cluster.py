@@ -14,7 +14,6 @@ group consuming across masters and a slot migration under a consuming group.
 from __future__ import annotations
 
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ import redis
 import redisq
 from redisq.producer import SendFuture
 from redisq.transport import Redirect, Transport
-from tests.history.deployments import start_cluster_with_replicas
+from tests.history.deployments import running_cluster_with_replicas
 from tests.replication import wait_for
 from tests.servers import (
     ServerProcess,
@@ -442,13 +441,8 @@ def test_slot_migration_while_consuming(
 @pytest.fixture
 def cluster_with_replicas() -> Iterator[tuple[list[ServerProcess], list[ServerProcess]]]:
     """Three Valkey primaries with a replica each, in sync."""
-    deployment = start_cluster_with_replicas(valkey_binary())
-    try:
-        yield deployment.primaries, deployment.replicas
-    finally:
-        for node in deployment.processes:
-            node.kill(signal.SIGCONT)  # a test may have stopped it
-            node.stop()
+    with running_cluster_with_replicas(valkey_binary()) as nodes:
+        yield nodes
 
 
 def replica_length(replica: ServerProcess, key: str) -> int:

@@ -182,10 +182,7 @@ def test_cluster_promotion_acks_replicas(kind: str, tmp_path: Path) -> None:
     ) as run:
         with redisq.connect(cluster.url, namespace=run.namespace) as broker:
             broker.create_topic(TOPIC, partitions=6)
-            owners = {cluster.owner_port(broker.keys.log(TOPIC, p)) for p in range(6)}
-        victims = [p for p in cluster.primaries[1:] if p.port in owners]
-        assert victims, f"every partition sits on the seed node: {owners}"
-        victim = victims[0]
+            victim, _ = cluster.primary_off_seed(broker, TOPIC)
         replica = cluster.replica_of[victim.port]
         producers = ["A", "B"]
         run.producer("A", name="svc", options=DURABLE)
@@ -261,11 +258,8 @@ def test_cluster_promotion_delayed_acks_replicas(kind: str, tmp_path: Path) -> N
     ) as run:
         with redisq.connect(cluster.url, namespace=run.namespace) as broker:
             broker.create_topic(TOPIC, partitions=6)
-            owner = {p: cluster.owner_port(broker.keys.log(TOPIC, p)) for p in range(6)}
+            victim, owner = cluster.primary_off_seed(broker, TOPIC)
             keys = broker.keys
-        victims = [p for p in cluster.primaries[1:] if p.port in owner.values()]
-        assert victims, f"every partition sits on the seed node: {owner}"
-        victim = victims[0]
         replica = cluster.replica_of[victim.port]
         on_victim = {p for p, port in owner.items() if port == victim.port}
         run.consumer("c1", options={"lease_ttl_ms": LEASE_TTL_MS})

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +88,14 @@ class ClusterDeployment:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.primaries[0].port}"
 
+    def primary_off_seed(self, broker: Any, topic: str) -> tuple[ServerProcess, dict[int, int]]:
+        """A primary other than the seed node (primaries[0]) that holds partitions of topic, and
+        each partition's primary port."""
+        owners = partition_ports(broker, topic)
+        victims = [p for p in self.primaries[1:] if p.port in owners.values()]
+        assert victims, f"every partition sits on the seed node: {owners}"
+        return victims[0], owners
+
     def owner_port(self, key: str) -> int:
         """The port of the primary that serves key now."""
         with self.primaries[0].client(socket_timeout=5) as client:
@@ -138,6 +149,21 @@ def start_cluster_with_replicas(binary: str, masters: int = 3) -> ClusterDeploym
         for node in replicas + primaries:
             node.stop()
         raise
+
+
+@contextlib.contextmanager
+def running_cluster_with_replicas(
+    binary: str,
+) -> Iterator[tuple[list[ServerProcess], list[ServerProcess]]]:
+    """start_cluster_with_replicas for the block: (primaries, replicas); afterwards every node is
+    resumed (a test may have SIGSTOPped it) and stopped."""
+    deployment = start_cluster_with_replicas(binary)
+    try:
+        yield deployment.primaries, deployment.replicas
+    finally:
+        for node in deployment.processes:
+            node.kill(signal.SIGCONT)
+            node.stop()
 
 
 def partition_ports(broker: Any, topic: str) -> dict[int, int]:
