@@ -66,7 +66,7 @@ def compile_extension(root: Path, scratch: Path) -> Path:
                     Extension(
                         "redisq._speedups",
                         [SOURCE],
-                        # redisq.native uses the module only with the source it was built from
+                        # redisq.model.native uses the module only with the source it was built from
                         define_macros=[("REDISQ_SOURCE_SHA256", f'"{digest}"')],
                     )
                 ],

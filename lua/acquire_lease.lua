@@ -57,20 +57,15 @@ local function token_of(value)
   return tonumber(string.match(value or '', '^(%d+):'))
 end
 local function group_position()
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
-    local fields = {}
-    for i = 1, #info, 2 do
-      fields[info[i]] = info[i + 1]
-    end
-    if fields['name'] == ARGV[1] then
-      local entries_read = -1
-      if type(fields['entries-read']) == 'number' then
-        entries_read = fields['entries-read']
-      end
-      return fields['last-delivered-id'], entries_read
-    end
+  local fields = stream_group(KEYS[3], ARGV[1])
+  if not fields then
+    return '0-0', -1
   end
-  return '0-0', -1
+  local entries_read = -1
+  if type(fields['entries-read']) == 'number' then
+    entries_read = fields['entries-read']
+  end
+  return fields['last-delivered-id'], entries_read
 end
 
 if ARGV[6] == 'give_up' then

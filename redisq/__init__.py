@@ -9,9 +9,13 @@ with broker.producer(name="order-service") as producer:
 
 from redisq import errors
 from redisq.broker import Broker, connect
-from redisq.consumer import Consumer
+from redisq.consume.consumer import Consumer
+from redisq.consume.idempotent import idempotent
 from redisq.errors import (
+    AlreadyAcked,
     CommitNotConfirmed,
+    ConnectionLost,
+    ConsumerClosed,
     DeliveryTimeout,
     GroupInUse,
     GroupNotFound,
@@ -31,15 +35,17 @@ from redisq.errors import (
     TopicNotFound,
     TransactionAborted,
     TransactionDecided,
+    TransactionInProgress,
     UnsupportedServer,
 )
-from redisq.idempotent import idempotent
-from redisq.partitioner import partition_for_key
-from redisq.producer import Producer, SendFuture
-from redisq.records import MalformedEntry, MalformedMessage, Message, RecordMetadata
-from redisq.topic import PartitionInfo, TopicConfig, TopicDescription
-from redisq.transactional import Transaction
-from redisq.transactions import TransactionResult, TxMessage, TxState
+from redisq.model.groups import GroupDescription, MemberInfo, OffsetReset, PartitionLag
+from redisq.model.partitioner import partition_for_key
+from redisq.model.records import MalformedEntry, MalformedMessage, Message, RecordMetadata
+from redisq.model.topic import PartitionInfo, TopicConfig, TopicDescription
+from redisq.model.transactions import TransactionResult, TxMessage, TxState
+from redisq.produce.futures import SendFuture
+from redisq.produce.producer import Producer
+from redisq.produce.transactional import Transaction
 
 __version__ = "0.1.0"
 
@@ -47,19 +53,26 @@ __all__ = [
     "Broker",
     "Consumer",
     "DeliveryTimeout",
+    "GroupDescription",
     "GroupInUse",
     "GroupNotFound",
     "InvalidConfig",
     "InvalidName",
+    "AlreadyAcked",
     "LeaseLost",
     "MalformedEntry",
     "MalformedMessage",
+    "MemberInfo",
     "Message",
     "MessageTooLarge",
     "CommitNotConfirmed",
+    "ConsumerClosed",
+    "ConnectionLost",
     "NotEnoughReplicas",
+    "OffsetReset",
     "OutOfOrderSequence",
     "PartitionInfo",
+    "PartitionLag",
     "PartitionOutOfRange",
     "Producer",
     "ProducerClosed",
@@ -76,6 +89,7 @@ __all__ = [
     "Transaction",
     "TransactionAborted",
     "TransactionDecided",
+    "TransactionInProgress",
     "TransactionResult",
     "TxMessage",
     "TxState",

@@ -1,32 +1,39 @@
-"""The broker handle: one connection, one namespace, topic administration, producers."""
+# WARNING: generated from broker_async.py by tools/async_to_sync.py; do not edit.
+# Change broker_async.py and run `python tools/async_to_sync.py`.
+"""The broker: one connection, one namespace; topics, reading, producers and consumers.
+
+Every operation is written once, as a protocol operation (redisq.protocol.topics, ...), and run
+by the broker's executor (redisq.server.scripts; the thread API's broker is generated from
+this module by tools/async_to_sync.py).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
-from redis.cluster import RedisCluster
-
-from redisq import admin, connection, transaction_admin
-from redisq.admin import MAX_PARTITIONS
 from redisq.errors import InvalidName, PartitionOutOfRange, TopicNotFound
-from redisq.keys import KeySpace, dead_letter_topic, validate_topic
-from redisq.protocol import Operation, run_operation
-from redisq.records import MalformedMessage, Message, decode_entries, offset_after
-from redisq.scripts import Scripts, is_fake
+from redisq.model.groups import GroupDescription, OffsetReset
+from redisq.model.keys import KeySpace, dead_letter_topic, validate_topic
+from redisq.model.offsets import offset_after
+from redisq.model.records import MalformedMessage, Message, decode_entries
+from redisq.model.topic import DEFAULT_PRODUCER_STATE_TTL_MS, TopicConfig, TopicDescription
+from redisq.protocol import Operation, groups, offsets, transaction_admin
+from redisq.protocol import topics as admin
+from redisq.protocol.topics import MAX_PARTITIONS
+from redisq.protocol.transaction_admin import TransactionInfo
+from redisq.server import connection
+from redisq.server.connection import is_cluster, open_client, resolve_url
+from redisq.server.lua import is_fake
+from redisq.server.scripts import Scripts
 from redisq.settings import ConsumerOptions, ProducerOptions
-from redisq.topic import (
-    DEFAULT_PRODUCER_STATE_TTL_MS,
-    TopicConfig,
-    TopicDescription,
-)
-from redisq.transaction_admin import TransactionInfo
 
 if TYPE_CHECKING:
-    from redisq.consumer import Consumer
-    from redisq.producer import Producer
+    from redisq.consume.consumer import Consumer
+    from redisq.produce.producer import Producer
 
 log = logging.getLogger("redisq.broker")
 
@@ -43,14 +50,24 @@ class Broker:
     def __init__(
         self, client: Any, namespace: str = "rq", *, url: str | None = None, embedded: bool = False
     ) -> None:
+        if isinstance(client, str | bytes):
+            raise TypeError(
+                "Broker() takes a redis-py client; for a URL use redisq.connect(url) "
+                "(redisq.asyncio.connect(url) for asyncio)"
+            )
         self.keys = KeySpace(namespace)
         self.client = client
         self.embedded = embedded
         self._url = url
-        self.is_cluster = isinstance(client, RedisCluster)
-        self.server = "fakeredis" if is_fake(client) else connection.check_server(client)
+        self.is_cluster = is_cluster(client)
+        self.server = "fakeredis"  # until connect() asks the server (_check_server)
         self.scripts = Scripts(client)
         self._topic_cache: dict[str, tuple[float, TopicConfig]] = {}
+
+    def _check_server(self) -> None:
+        """Refuse servers older than Redis 7.0 / Valkey 8 (UnsupportedServer)."""
+        if not is_fake(self.client):
+            self.server = connection.server_description(self.client.info("server"))
 
     @property
     def namespace(self) -> str:
@@ -58,7 +75,8 @@ class Broker:
 
     def __repr__(self) -> str:
         where = connection.redact_url(self._url) if self._url else type(self.client).__name__
-        return f"<redisq.Broker {where} namespace={self.namespace!r} server={self.server!r}>"
+        api = "redisq"
+        return f"<{api}.Broker {where} namespace={self.namespace!r} server={self.server!r}>"
 
     def __enter__(self) -> Broker:
         return self
@@ -67,11 +85,14 @@ class Broker:
         self.close()
 
     def close(self) -> None:
+        """Close the broker's connections (producers and consumers made from it close first)."""
         self.client.close()
 
+    def run(self, operation: Operation[T]) -> T:
+        """Drive a protocol operation (redisq.protocol) on this connection."""
+        return self.scripts.run_operation(operation)
+
     # -- topics ------------------------------------------------------------------------------
-    def _run(self, operation: Operation[T]) -> T:
-        return run_operation(operation, self.scripts.execute)
 
     def create_topic(
         self,
@@ -92,7 +113,7 @@ class Broker:
         and producer_state_ttl_ms is at most 2**53 - 1 (the scripts' numbers are doubles).
         With exist_ok, an existing topic is returned as it is.
         """
-        config = self._run(
+        config = self.run(
             admin.create_topic(
                 self.keys,
                 topic,
@@ -116,7 +137,7 @@ class Broker:
         partitions within their metadata_max_age_ms (5 s by default).
         """
         before = self.topic_config(topic, refresh=True)
-        config = self._run(admin.add_partitions(self.keys, topic, partitions))
+        config = self.run(admin.add_partitions(self.keys, topic, partitions))
         self._topic_cache[topic] = (time.monotonic(), config)
         log.info("topic %s grown from %d to %d partitions", topic, before.partitions, partitions)
         return config
@@ -127,7 +148,7 @@ class Broker:
         Producers trim as they write (approximately, at most 10,000 entries per write); a
         partition that is no longer written to keeps its old entries until this runs.
         """
-        return self._run(admin.trim(self.keys, topic))
+        return self.run(admin.trim(self.keys, topic))
 
     def topic_config(
         self, topic: str, *, refresh: bool = False, max_age_s: float = 30.0
@@ -138,7 +159,7 @@ class Broker:
         if cached and not refresh and time.monotonic() - cached[0] < max_age_s:
             return cached[1]
         try:
-            config = self._run(admin.topic_config(self.keys, topic))
+            config = self.run(admin.topic_config(self.keys, topic))
         except TopicNotFound:
             self._topic_cache.pop(topic, None)
             raise
@@ -150,6 +171,7 @@ class Broker:
         self._topic_cache.pop(topic, None)
 
     def check_partition(self, topic: str, partition: object) -> int:
+        """The partition number, if the topic has it: TypeError, PartitionOutOfRange."""
         config = self.topic_config(topic)
         if isinstance(partition, bool) or not isinstance(partition, int):
             raise TypeError(f"partition must be an int, not {type(partition).__name__}")
@@ -158,15 +180,16 @@ class Broker:
         return partition
 
     def list_topics(self) -> list[str]:
-        return self._run(admin.list_topics(self.keys))
+        """The namespace's topics, sorted (dead-letter and unresolved topics included)."""
+        return self.run(admin.list_topics(self.keys))
 
     def list_transactions(self, limit: int = 1000) -> list[TransactionInfo]:
         """Open transactions, and decided ones not yet carried out, oldest first."""
-        return self._run(transaction_admin.list_transactions(self.keys, limit))
+        return self.run(transaction_admin.list_transactions(self.keys, limit))
 
     def sweep_transactions(self) -> int:
         """Abort expired open transactions and finish decided ones now; how many were due."""
-        return self._run(transaction_admin.sweep_now(self.keys))
+        return self.run(transaction_admin.sweep_now(self.keys))
 
     def describe_topic(self, topic: str) -> TopicDescription:
         """Partitions with their lengths and first/last offsets (XINFO STREAM, pipelined), and
@@ -178,19 +201,18 @@ class Broker:
             for p in range(config.partitions):
                 target = self.client.get_node_from_key(self.keys.log(topic, p))
                 nodes[p] = f"{target.host}:{target.port}"
-        return self._run(admin.describe_topic(self.keys, topic, nodes))
+        return self.run(admin.describe_topic(self.keys, topic, nodes))
 
     def delete_topic(self, topic: str, *, force: bool = False) -> None:
         """Delete a topic and everything it owns: its partitions' keys (streams, producer state,
         dedup buckets, leases, the groups' positions, parked keys and held messages), its
         consumer groups and their dead-letter topics. Producers writing to it afterwards get
         TopicNotFound. Refused with TopicInUse while a group has live members, unless force."""
-        partitions, groups = self._run(admin.delete_topic(self.keys, topic, force=force))
+        partitions, groups = self.run(admin.delete_topic(self.keys, topic, force=force))
         self._topic_cache.pop(topic, None)
         for p in range(partitions):
-            doomed = list(
-                self.client.scan_iter(match=self.keys.partition_pattern(topic, p), count=1000)
-            )
+            pattern = self.keys.partition_pattern(topic, p)
+            doomed = [key for key in self.client.scan_iter(match=pattern, count=1000)]
             for start in range(0, len(doomed), 500):
                 # One DEL per slot: every key of a partition shares its hash tag.
                 self.client.delete(*doomed[start : start + 500])
@@ -200,6 +222,72 @@ class Broker:
             except (TopicNotFound, InvalidName):
                 pass
         log.info("deleted topic %s", topic)
+
+    # -- consumer groups (their members live in consumer.py) ---------------------------------
+    def list_groups(self, topic: str | None = None) -> list[tuple[str, str]]:
+        """(topic, group) pairs, sorted: the groups of `topic` (TopicNotFound if it does not
+        exist), or of every topic."""
+        return self.run(groups.list_groups(self.keys, topic))
+
+    def describe_group(self, topic: str, group: str) -> GroupDescription:
+        """Members, and per partition: position, lag (what the group has still to read: for a
+        partition it has not read yet, what its first reader will be handed), pending entries,
+        owner and lease, dead letters, parked keys, held messages and a blocked message, as
+        `redisq group describe` and the console show them (Kafka's describe_consumer_groups
+        and list_consumer_group_offsets in one). TopicNotFound / GroupNotFound; ReadFailed
+        naming what could not be read."""
+        return self.run(groups.describe_group(self.keys, topic, group))
+
+    def reset_offsets(
+        self,
+        topic: str,
+        group: str,
+        *,
+        to_earliest: bool = False,
+        to_latest: bool = False,
+        to_datetime: datetime | int | None = None,
+        to_offset: str | None = None,
+        shift_by: int | None = None,
+        partitions: Sequence[int] | None = None,
+        dry_run: bool = False,
+    ) -> list[OffsetReset]:
+        """Move the group's committed position (Kafka's kafka-consumer-groups --reset-offsets),
+        with exactly one target: to_earliest, to_latest, to_datetime (a datetime, naive =
+        local time, or epoch ms), to_offset (read from this stream ID on) or shift_by (+N skips
+        N, -N reads the last N handled again); on `partitions` (default: all); dry_run
+        changes nothing. See redisq.protocol.offsets.reset_offsets.
+
+        Refused with GroupInUse while the group has live members or a partition lease is held;
+        a member that takes a partition while the reset runs makes it fail, never undoes it."""
+        return self.run(
+            offsets.reset_offsets(
+                self.keys,
+                topic,
+                group,
+                to_earliest=to_earliest,
+                to_latest=to_latest,
+                to_datetime=to_datetime,
+                to_offset=to_offset,
+                shift_by=shift_by,
+                partitions=partitions,
+                dry_run=dry_run,
+            )
+        )
+
+    def delete_group(
+        self, topic: str, group: str, *, force: bool = False, keep_dead_letters: bool = False
+    ) -> None:
+        """Forget a group and everything it owns: positions, pending entries, leases, parked
+        keys, held messages, members, settings, and its dead-letter topic (unless
+        keep_dead_letters). Markers of `consumer.idempotent` expire by their ttl. Refused with
+        GroupInUse while it has live members (force: delete anyway; their next commit then
+        finds nothing). TopicNotFound / GroupNotFound."""
+        dlq = self.run(groups.delete_group(self.keys, topic, group, force=force))
+        if dlq is not None and not keep_dead_letters:
+            try:
+                self.delete_topic(dlq, force=True)
+            except TopicNotFound:
+                pass
 
     # -- reading (a simple reader; consumer groups live in consumer.py) ------------------------
     def read(
@@ -237,7 +325,8 @@ class Broker:
                     raise message.error()
                 yield message
             returned += len(entries)
-            after = offset_after(entries[-1][0].decode())
+            last = entries[-1][0]
+            after = offset_after(last.decode() if isinstance(last, bytes) else str(last))
             if after is None or len(entries) < size:
                 return
             cursor = after
@@ -245,8 +334,8 @@ class Broker:
     # -- producers ---------------------------------------------------------------------------
     def producer(self, name: str | None = None, **options: Unpack[ProducerOptions]) -> Producer:
         """A producer: named (fencing its older instances) or anonymous; the options are
-        `redisq.settings.ProducerOptions` (see `redisq.producer.Producer`)."""
-        from redisq.producer import Producer
+        `redisq.settings.ProducerOptions` (see `redisq.produce.producer.Producer`)."""
+        from redisq.produce.producer import Producer
 
         return Producer(self, name=name, **options)
 
@@ -258,8 +347,8 @@ class Broker:
         **options: Unpack[ConsumerOptions],
     ) -> Consumer:
         """A member of consumer group `group` on `topics` (a name or a list); the options are
-        `redisq.settings.ConsumerOptions` (see `redisq.consumer.Consumer`)."""
-        from redisq.consumer import Consumer
+        `redisq.settings.ConsumerOptions` (see `redisq.consume.consumer.Consumer`)."""
+        from redisq.consume.consumer import Consumer
 
         return Consumer(self, topics, group, name, **options)
 
@@ -273,10 +362,16 @@ def connect(
     client= takes a ready redis-py (or fakeredis) client instead. Extra options go to redis-py.
     """
     if client is not None:
-        return Broker(client, namespace)
-    resolved, embedded = connection.resolve_url(url)
-    options.setdefault("socket_timeout", 30)
-    options.setdefault("socket_connect_timeout", 10)
-    return Broker(
-        connection.open_client(resolved, **options), namespace, url=resolved, embedded=embedded
-    )
+        broker = Broker(client, namespace)
+    else:
+        resolved, embedded = resolve_url(url)
+        options.setdefault("socket_timeout", 30)
+        options.setdefault("socket_connect_timeout", 10)
+        client = open_client(resolved, **options)
+        broker = Broker(client, namespace, url=resolved, embedded=embedded)
+    try:
+        broker._check_server()
+    except BaseException:
+        broker.close()
+        raise
+    return broker

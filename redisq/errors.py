@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import redis
+
 
 class RedisqError(Exception):
     """Base class of every redisq error."""
@@ -57,6 +59,8 @@ def check_number(name: str, value: object, minimum: float, maximum: float) -> fl
 
 
 class TopicNotFound(RedisqError):
+    """The topic does not exist (never created, or deleted): nothing was written."""
+
     def __init__(self, topic: str) -> None:
         super().__init__(f"topic {topic!r} does not exist")
         self.topic = topic
@@ -80,12 +84,16 @@ class PartitionGone(TopicNotFound):
 
 
 class TopicExists(RedisqError):
+    """create_topic of a topic that exists (exist_ok=True returns it instead)."""
+
     def __init__(self, topic: str) -> None:
         super().__init__(f"topic {topic!r} already exists")
         self.topic = topic
 
 
 class PartitionOutOfRange(RedisqError, ValueError):
+    """A partition number the topic does not have (0 .. partitions - 1): nothing was queued."""
+
     def __init__(self, topic: str, partition: object, partitions: int) -> None:
         super().__init__(
             f"partition {partition!r} out of range for topic {topic!r}: 0..{partitions - 1}"
@@ -96,6 +104,8 @@ class PartitionOutOfRange(RedisqError, ValueError):
 
 
 class MessageTooLarge(RedisqError, ValueError):
+    """A message bigger than the producer's max_message_bytes: nothing was queued."""
+
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(f"message of {size} bytes exceeds max_message_bytes={limit}")
         self.size = size
@@ -139,6 +149,13 @@ class TransactionDecided(RedisqError):
     def __init__(self, state: str) -> None:
         super().__init__(f"the transaction was already decided: {state}")
         self.state = state
+
+
+class TransactionInProgress(RedisqError):
+    """A plain send from a transactional producer while its transaction is open: the message
+    would land at once, before the transaction's earlier messages of its key, so it is refused
+    (as Kafka's transactional producer refuses a send outside its transaction). Send it in the
+    transaction (tx.send), or after commit() or abort()."""
 
 
 class TransactionAborted(RedisqError):
@@ -195,7 +212,15 @@ class LeaseLost(RedisqError):
         super().__init__("lease lost" + (f": {detail}" if detail else ""))
 
 
+class AlreadyAcked(RedisqError, ValueError):
+    """A transaction was given a message this consumer acknowledged already under its current
+    lease (by ack(), commit(), auto-commit, or an earlier transaction): the group's position is
+    past it, so no transaction can commit it again. Nothing was changed."""
+
+
 class GroupNotFound(RedisqError):
+    """A consumer group no member ever joined on this topic (or one deleted)."""
+
     def __init__(self, topic: str, group: str) -> None:
         super().__init__(f"group {group!r} of topic {topic!r} does not exist")
         self.topic = topic
@@ -220,12 +245,14 @@ class GroupInUse(TopicInUse):
     """The group has live members (or a partition lease is still held): deleting it or
     resetting its offsets under them would be overwritten by their next commit."""
 
-    def __init__(self, topic: str, group: str, members: list[str], action: str) -> None:
+    def __init__(
+        self, topic: str, group: str, members: list[str], action: str, note: str = ""
+    ) -> None:
         super().__init__(topic, group, members)
         shown = ", ".join(members[:5]) + (" ..." if len(members) > 5 else "")
         self.args = (
             f"group {group!r} of topic {topic!r} has live members ({shown}): stop them before "
-            f"you {action}",
+            f"you {action}" + (f" ({note})" if note else ""),
         )
 
 
@@ -235,6 +262,14 @@ class GroupModeMismatch(RedisqError, ValueError):
 
 class ConsumerClosed(RedisqError):
     """poll(), ack() or run() after close()."""
+
+
+class ConnectionLost(RedisqError, redis.ConnectionError):
+    """The server could not be reached, or dropped the connection, and redisq could not recover:
+    a connection found closed before a command was sent is replaced and the command sent again,
+    but a command that may have run before the connection broke is not repeated blindly (its
+    outcome is unknown). Also a redis.ConnectionError, so code written for redis-py still
+    catches it."""
 
 
 class ReadFailed(RedisqError):

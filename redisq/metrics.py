@@ -5,7 +5,8 @@
     text = redisq.metrics.exposition(redisq.metrics.collect(broker))   # Prometheus text format
 
 `collect(broker)` reads what Redis already counts for the namespace, in a few pipelined round
-trips (redisq.inspect, redisq.waiting): every partition's appended-entries counter and length,
+trips (redisq.protocol.overview, redisq.protocol.waiting): every partition's appended-entries
+counter and length,
 its delayed messages and when the next is due, every group's committed entries, lag and pending
 entries per partition, each lease (holder, time left) and how many times it was granted (its
 fencing counter), the dead letters, malformed entries, blocked messages, parked keys and held
@@ -26,17 +27,16 @@ Names follow Prometheus conventions: a `redisq_` prefix, `_total` on counters, b
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisq.handle import BrokerHandle
-from redisq.inspect import NamespaceSnapshot, namespace_snapshot
-from redisq.keys import parse_unresolved_topic
+from redisq.model.keys import parse_unresolved_topic
+from redisq.model.stats import track, tracked, untrack
 from redisq.protocol import run_operation
-from redisq.waiting import TransactionsSnapshot, transactions_snapshot
+from redisq.protocol.overview import NamespaceSnapshot, namespace_snapshot
+from redisq.protocol.waiting import TransactionsSnapshot, transactions_snapshot
+from redisq.server.handle import BrokerHandle
 
 # Transactions read per scrape (their states); the registry's size is reported whatever it is.
 TRANSACTIONS_READ = 1000
@@ -81,25 +81,7 @@ class _Families:
         return list(self._by_name.values())
 
 
-# -- clients registered by those who embed redisq ------------------------------------------------
-_tracked: weakref.WeakSet[Any] = weakref.WeakSet()
-_tracked_lock = threading.Lock()
-
-
-def track(client: Any) -> None:
-    """Include a Consumer's (or Producer's) own counters in every collect() of this process
-    (producers and consumers track themselves when they start). Held weakly: a dropped client
-    disappears from the metrics."""
-    with _tracked_lock:
-        _tracked.add(client)
-
-
-def untrack(client: Any) -> None:
-    with _tracked_lock:
-        _tracked.discard(client)
-
-
-# ConsumerStats field -> (metric name, help). The library counts these (redisq.stats).
+# ConsumerStats field -> (metric name, help). The library counts these (redisq.model.stats).
 CONSUMER_COUNTERS = {
     "consumed": (
         "redisq_consumer_messages_consumed_total",
@@ -166,8 +148,7 @@ def collect(
         _server_families(families, snapshot)
         _waiting_families(families, snapshot, transactions)
     if clients is None:
-        with _tracked_lock:
-            clients = list(_tracked)
+        clients = tracked()
     _client_families(families, clients)
     return [f for f in families.all() if f.samples]
 

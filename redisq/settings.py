@@ -15,8 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
 from redisq.errors import InvalidConfig, check_int, check_number
-from redisq.keys import validate_name
-from redisq.partitioner import Selector
+from redisq.model.keys import validate_name
+from redisq.model.partitioner import Selector
 
 IDEMPOTENCE_MODES = ("sequence", "message_id", None)
 ACKS = ("leader", "replicas", "fsync")
@@ -50,6 +50,11 @@ class ProducerOptions(TypedDict, total=False):
     check_first_ms: int  # first check-back of an undecided half message (RocketMQ: 6 s)
     check_interval_ms: int  # then every (RocketMQ: 30 s)
     max_checks: int  # then it goes to the group's unresolved topic (RocketMQ: 15)
+
+
+# run()'s handler: on the thread of the partition it reads (a lane's, with key_concurrency), or
+# every call on one thread of the member (for code that is not thread-safe)
+HANDLER_THREADS = ("partition", "one")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +160,7 @@ POLICY_NAMES = ("dead_letter", "park_key", "block")
 
 
 class ConsumerOptions(TypedDict, total=False):
-    """Keyword options of a consumer (see redisq.consumer.Consumer)."""
+    """Keyword options of a consumer (see redisq.Consumer and the guide on consuming)."""
 
     mode: str  # "orderly" (default: partition leases, offset order) or "concurrent"
     start: str  # where a new group starts: "earliest" (default) or "latest"
@@ -165,6 +170,7 @@ class ConsumerOptions(TypedDict, total=False):
     heartbeat_interval_ms: int | None  # default min(lease_ttl_ms / 3, 3000)
     batch_size: int  # entries per read
     key_concurrency: int  # orderly: lanes per partition running different keys in parallel
+    handler_thread: str  # "partition": run()'s handler on each partition's thread; "one": one
     max_attempts: int  # handler calls per message before the failure policy applies
     retry_backoff_ms: int  # exponential backoff with jitter between attempts
     max_retry_backoff_ms: int
@@ -172,6 +178,7 @@ class ConsumerOptions(TypedDict, total=False):
     claim_idle_ms: int | None  # concurrent: reclaim entries pending this long
     block_ms: int  # how long an idle partition waits for new entries per round
     ack_interval_ms: int  # handled messages are committed at least this often
+    enable_auto_commit: bool  # poll()/iteration acknowledge what they gave before (Kafka's)
     metadata_max_age_ms: int  # added partitions (and pattern topics) are read within this
     on_assign: Callable[[list[tuple[str, int]]], Any] | None  # in run()/poll(), before a read
     on_revoke: Callable[[list[tuple[str, int]]], Any] | None  # after their last commit
@@ -189,6 +196,7 @@ class ConsumerSettings:
     heartbeat_interval_ms: int | None = None
     batch_size: int = 500
     key_concurrency: int = 1
+    handler_thread: str = "partition"
     max_attempts: int = 5
     retry_backoff_ms: int = 100
     max_retry_backoff_ms: int = 30_000
@@ -196,6 +204,7 @@ class ConsumerSettings:
     claim_idle_ms: int | None = None
     block_ms: int = 300
     ack_interval_ms: int = 100
+    enable_auto_commit: bool = True
     metadata_max_age_ms: int = 5_000
     on_assign: Callable[[list[tuple[str, int]]], Any] | None = None
     on_revoke: Callable[[list[tuple[str, int]]], Any] | None = None
@@ -251,12 +260,20 @@ class ConsumerSettings:
         check_int("key_concurrency", self.key_concurrency, 1, 256)
         if self.key_concurrency > 1 and self.mode != "orderly":
             raise InvalidConfig("key_concurrency needs mode='orderly'")
+        if self.handler_thread not in HANDLER_THREADS:
+            raise InvalidConfig(
+                f"handler_thread={self.handler_thread!r}: expected one of {HANDLER_THREADS}"
+            )
         check_int("max_attempts", self.max_attempts, 1)
         check_int("retry_backoff_ms", self.retry_backoff_ms, 0)
         check_int("max_retry_backoff_ms", self.max_retry_backoff_ms, self.retry_backoff_ms)
         check_int("claim_idle_ms", self.claim_idle, 100)
         check_int("block_ms", self.block_ms, 10, 10_000)
         check_int("ack_interval_ms", self.ack_interval_ms, 0)
+        if not isinstance(self.enable_auto_commit, bool):
+            raise TypeError(
+                f"enable_auto_commit must be True or False, not {self.enable_auto_commit!r}"
+            )
         check_int("metadata_max_age_ms", self.metadata_max_age_ms, 100, 3_600_000)
         if self.pattern is not None:
             if not isinstance(self.pattern, str):

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from redisq.records import MalformedEntry, decode_entry, parse_headers, parse_id_field
+from redisq.model.records import MalformedEntry, decode_entry, parse_headers, parse_id_field
 
 BASE_COLUMNS = [
     ("key", "binary", pa.binary()),

@@ -18,6 +18,10 @@ AUDIT_KINDS = {
     "or against a source table (--against)",
 }
 
+# Silent buckets are rows too (zeros), so a long quiet spell makes many: the terminal gets
+# the first ones, the chart every one.
+MAX_PRINTED_ROWS = 1000
+
 PrintTable = Callable[[Sequence[Sequence[Any]], Sequence[str]], None]
 
 
@@ -27,10 +31,10 @@ def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | 
     unreachable server, TopicNotFound and GroupNotFound are raised (the command line turns
     them into exit 2, 3 and 3)."""
     out = out or sys.stdout
-    from redisq.connection import resolve_url
+    from redisq.server.connection import resolve_url
 
     url, _embedded = resolve_url(args.url)  # the embedded server logs its own notice
-    _check_before_spark(url, args.namespace, args.topic, args.group)
+    partitions = _check_before_spark(url, args.namespace, args.topic, args.group)
     try:
         import pyspark  # noqa: F401
 
@@ -43,29 +47,32 @@ def run_audit(args: argparse.Namespace, print_table: PrintTable, out: IO[str] | 
         )
         return 2
     try:
-        return _run_job(args, url, get_session, jobs, print_table, out)
+        return _run_job(args, url, partitions, get_session, jobs, print_table, out)
     except Exception as exc:  # no JVM, a failed job: one line, not a Java stack trace
         detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         print(f"redisq audit: Spark failed: {type(exc).__name__}: {detail}", file=sys.stderr)
         return 2
 
 
-def _check_before_spark(url: str, namespace: str, topic: str, group: str | None) -> None:
+def _check_before_spark(url: str, namespace: str, topic: str, group: str | None) -> int:
     """Seconds instead of the 20 s a Spark start takes: the server answers, the topic (and the
-    group) exist."""
+    group) exist. Returns the topic's partition count (skew and throughput count the empty
+    ones)."""
     import redisq
     from redisq.errors import GroupNotFound
-    from redisq.group import group_exists
+    from redisq.protocol.groups import group_exists
 
     with redisq.connect(url, namespace=namespace) as broker:
-        broker.topic_config(topic, refresh=True)
-        if group is not None and not group_exists(broker, topic, group):
+        config = broker.topic_config(topic, refresh=True)
+        if group is not None and not broker.run(group_exists(broker.keys, topic, group)):
             raise GroupNotFound(topic, group)
+        return config.partitions
 
 
 def _run_job(
     args: argparse.Namespace,
     url: str,
+    partitions: int,
     get_session: Any,
     jobs: Any,
     print_table: PrintTable,
@@ -118,21 +125,56 @@ def _run_job(
             )
         elif kind == "skew":
             df = df.cache()
-            rows = jobs.partition_skew(df).collect()
+            rows = jobs.partition_skew(df, partitions).collect()
             columns = ["partition", "messages", "bytes", "keys", "share", "vs_mean"]
             print_table([[r[c] for c in columns] for r in rows], columns)
+            print("\n" + skew_verdict(rows), file=out)
             hot = jobs.hot_keys(df, args.top).collect()
             print("\nhot keys:", file=out)
             columns = ["rank", "key", "partition", "messages", "share"]
             print_table([[r[c] for c in columns] for r in hot], columns)
             jobs.plot_skew(rows, plot, f"messages per partition of {topic}")
         else:
-            rows = jobs.throughput(df, args.bucket_ms).collect()
+            rows = jobs.throughput(df, args.bucket_ms, partitions).collect()
             columns = ["bucket_start", "partition", "messages", "bytes", "messages_per_s"]
-            print_table([[r[c] for c in columns] for r in rows], columns)
+            print_table([[r[c] for c in columns] for r in rows[:MAX_PRINTED_ROWS]], columns)
+            if len(rows) > MAX_PRINTED_ROWS:
+                print(
+                    f"(the first {MAX_PRINTED_ROWS:,} of {len(rows):,} rows: the plot shows them "
+                    "all; --bucket-ms makes fewer)",
+                    file=out,
+                )
+            print("\n" + throughput_verdict(rows, args.bucket_ms), file=out)
             jobs.plot_throughput(rows, plot, f"throughput of {topic}")
     print(f"plot: {plot}", file=out)
     return status
+
+
+def skew_verdict(rows: Sequence[Any]) -> str:
+    """ "1,000 messages in 1 of 4 partitions (3 empty): the largest is 4.00x the mean"."""
+    total = sum(int(r.messages) for r in rows)
+    if not total:
+        return "the topic holds no messages"
+    busy = sum(1 for r in rows if r.messages)
+    empty = f" ({len(rows) - busy} empty)" if busy < len(rows) else ""
+    return (
+        f"{total:,} messages in {busy} of {len(rows)} partitions{empty}: the largest is "
+        f"{max(float(r.vs_mean) for r in rows):.2f}x the mean"
+    )
+
+
+def throughput_verdict(rows: Sequence[Any], bucket_ms: int) -> str:
+    """ "4 buckets of 1000 ms, 2 of them silent (no message in any partition)"."""
+    per_bucket: dict[int, int] = {}
+    for r in rows:
+        per_bucket[int(r.bucket_ms)] = per_bucket.get(int(r.bucket_ms), 0) + int(r.messages)
+    if not per_bucket:
+        return "no messages"
+    silent = sum(1 for n in per_bucket.values() if not n)
+    return (
+        f"{len(per_bucket):,} buckets of {bucket_ms} ms from the first message to the last, "
+        f"{silent:,} of them silent (no message in any partition, counted as 0)"
+    )
 
 
 def _content(

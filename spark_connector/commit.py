@@ -1,6 +1,7 @@
 """Spark's commit protocol on redisq transactions: what the driver decides for a write.
 
-Each task attempt stages its rows as one transaction (redisq.tx_ops.stage) and reports its id in
+Each task attempt stages its rows as one transaction (redisq.protocol.transaction_ops.stage) and
+reports its id in
 its commit message; nothing it staged is visible yet. Before staging, the attempt records its id
 in the write's record, so the driver knows every attempt, including those that never reported
 (killed executors, zombie or speculative attempts, a stage run again after a lost shuffle).
@@ -28,14 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisq import tx_ops
-from redisq.admin import read_config
 from redisq.errors import RedisqError, TopicNotFound, TransactionDecided
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
+from redisq.model.topic import TopicConfig
 from redisq.protocol import Command, Operation, Step, optional_text, text
+from redisq.protocol import transaction_ops as tx_ops
 from redisq.protocol import transactions as tx
+from redisq.protocol.topics import read_config
 from redisq.protocol.transactions import StagedBatch
-from redisq.topic import TopicConfig
 
 log = logging.getLogger("redisq.spark.commit")
 

@@ -5,8 +5,8 @@
     df = jobs.read_topic(spark, "redis://localhost:6379", "rq", "orders")
     jobs.ordering_audit(df).show()        # per producer and partition: gaps, duplicates, order
     jobs.key_order_audit(df).show()       # per key: out-of-order, keys split over partitions
-    jobs.partition_skew(df).show(); jobs.hot_keys(df).show()
-    jobs.throughput(df, bucket_ms=1000).show()
+    jobs.partition_skew(df, partitions=4).show(); jobs.hot_keys(df).show()
+    jobs.throughput(df, bucket_ms=1000, partitions=4).show()  # silent buckets as zeros
     jobs.consumer_lag(spark, url, "rq", "orders").show()
 
 The ordering audit reads the producer id (field p) and sequence (field s) that idempotent
@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from spark_connector import counts
 from spark_connector.offsets import count_end, next_id
 
 # The charts of these jobs (spark_connector.plots), re-exported.
@@ -176,9 +177,12 @@ def message_id_duplicates(df: DataFrame) -> DataFrame:
     )
 
 
-def partition_skew(df: DataFrame) -> DataFrame:
-    """Per partition: messages, bytes, share of the topic and ratio to the mean partition."""
-    from pyspark.sql import Window
+def partition_skew(df: DataFrame, partitions: int | None = None) -> DataFrame:
+    """Per partition: messages, bytes, keys, share of the topic and ratio to the mean partition.
+
+    partitions: the topic's partition count. An empty partition has no row in df, so only
+    this count puts it in (0 messages, in the mean: 1,000 messages in 1 of 4 partitions is
+    4.00x the mean). Without it, partitions up to the highest one seen are counted."""
     from pyspark.sql import functions as F
 
     size = F.coalesce(F.length("value"), F.lit(0)) + F.coalesce(F.length("key"), F.lit(0))
@@ -187,12 +191,18 @@ def partition_skew(df: DataFrame) -> DataFrame:
         F.sum(size).alias("bytes"),
         F.countDistinct("key").alias("keys"),
     )
-    everything = Window.partitionBy("topic")
-    return (
-        per.withColumn("share", F.round(F.col("messages") / F.sum("messages").over(everything), 4))
-        .withColumn("vs_mean", F.round(F.col("messages") / F.avg("messages").over(everything), 3))
-        .orderBy("topic", "partition")
-    )
+    tallied = [
+        counts.PartitionCount(r.topic, int(r.partition), int(r.messages), int(r.bytes), int(r.keys))
+        for r in per.collect()
+    ]
+    rows = counts.partition_skew(tallied, partitions)
+    return df.sparkSession.createDataFrame(rows, SKEW_SCHEMA).orderBy("topic", "partition")
+
+
+SKEW_SCHEMA = (
+    "topic string, partition int, messages long, bytes long, keys long, share double, "
+    "vs_mean double"
+)
 
 
 def hot_keys(df: DataFrame, top: int = 10) -> DataFrame:
@@ -215,23 +225,39 @@ def hot_keys(df: DataFrame, top: int = 10) -> DataFrame:
     ).orderBy("rank")
 
 
-def throughput(df: DataFrame, bucket_ms: int = 1000) -> DataFrame:
-    """Messages and bytes appended per time bucket and partition (by the stream IDs' time)."""
+def throughput(df: DataFrame, bucket_ms: int = 1000, partitions: int | None = None) -> DataFrame:
+    """Messages and bytes appended per time bucket and partition (by the stream IDs' time).
+
+    Every bucket from the first message's to the last's is a row for every partition, 0 when
+    nothing was appended in it: a silent second is a zero, not a line drawn across it.
+    partitions: the topic's partition count (without it, up to the highest one seen)."""
     from pyspark.sql import functions as F
 
     if bucket_ms < 1:
         raise ValueError(f"bucket_ms={bucket_ms} is out of range: 1 or more")
     bucket = (F.floor(F.col("offset_ms") / bucket_ms) * bucket_ms).cast("long")
     size = F.coalesce(F.length("value"), F.lit(0)) + F.coalesce(F.length("key"), F.lit(0))
-    return (
+    per = (
         df.withColumn("bucket_ms", bucket)
         .groupBy("bucket_ms", "partition")
         .agg(F.count("*").alias("messages"), F.sum(size).alias("bytes"))
+    )
+    tallied = [
+        counts.BucketCount(int(r.bucket_ms), int(r.partition), int(r.messages), int(r.bytes))
+        for r in per.collect()
+    ]
+    rows = counts.throughput(tallied, bucket_ms, partitions)
+    return (
+        df.sparkSession.createDataFrame(rows, THROUGHPUT_SCHEMA)
         .withColumn("bucket_start", F.timestamp_millis("bucket_ms"))
-        .withColumn("messages_per_s", F.round(F.col("messages") * 1000.0 / bucket_ms, 1))
         .select("bucket_start", "bucket_ms", "partition", "messages", "bytes", "messages_per_s")
         .orderBy("bucket_ms", "partition")
     )
+
+
+THROUGHPUT_SCHEMA = (
+    "bucket_ms long, partition int, messages long, bytes long, messages_per_s double"
+)
 
 
 LAG_SCHEMA = (

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from redisq.errors import InvalidConfig
-from redisq.records import MAX_STREAM_ID_PART, offset_after, offset_parts
+from redisq.model.offsets import MAX_STREAM_ID_PART, offset_after, offset_parts
 
 # -- stream IDs and offsets -------------------------------------------------------------------
 EARLIEST, LATEST = "earliest", "latest"
@@ -23,7 +23,7 @@ END_OF_IDS = f"{MAX_STREAM_ID_PART + 1}-0"
 
 
 def id_parts(stream_id: str) -> tuple[int, int]:
-    """records.offset_parts for IDs from options: InvalidConfig, the option error, if invalid."""
+    """offsets.offset_parts for IDs from options: InvalidConfig, the option error, if invalid."""
     if stream_id == END_OF_IDS:
         return MAX_STREAM_ID_PART + 1, 0
     try:
@@ -48,7 +48,7 @@ def normalize_id(stream_id: str) -> str:
 
 
 def next_id(stream_id: str) -> str:
-    """The smallest stream ID after stream_id (records.offset_after: the sequence carries into
+    """The smallest stream ID after stream_id (offsets.offset_after: the sequence carries into
     the milliseconds), END_OF_IDS after the largest."""
     id_parts(stream_id)  # InvalidConfig for what is not a stream ID
     return offset_after(stream_id) or END_OF_IDS

@@ -20,8 +20,8 @@ from pyspark.sql.datasource import InputPartition
 
 import redisq
 from redisq.errors import PartitionOutOfRange, RedisqError
+from redisq.model.offsets import MAX_STREAM_ID
 from redisq.protocol import Command
-from redisq.records import MAX_STREAM_ID
 from spark_connector.arrow_rows import MalformedCount, arrow_schema, to_record_batch
 from spark_connector.offsets import StreamState, id_less, id_parts, upper_bound
 from spark_connector.options import ReadOptions

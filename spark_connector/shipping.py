@@ -24,7 +24,7 @@ from typing import Any
 
 import redisq
 import spark_connector
-from redisq.scripts import lua_dir
+from redisq.server.lua import lua_dir
 
 log = logging.getLogger("redisq.spark.shipping")
 

@@ -39,7 +39,7 @@ from pyspark.sql.types import StructType
 
 import redisq
 from redisq.errors import InvalidConfig
-from spark_connector.arrow_rows import _id_column, schema_ddl  # noqa: F401 (test_malformed.py)
+from spark_connector.arrow_rows import _id_column, schema_ddl  # noqa: F401 (tests/consume/test_foreign_entries.py)
 from spark_connector.offsets import (
     EARLIEST,
     LATEST,

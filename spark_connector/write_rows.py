@@ -29,10 +29,10 @@ from pyspark.sql.types import (
 )
 
 from redisq.errors import InvalidConfig, MessageTooLarge, PartitionOutOfRange
-from redisq.partitioner import partition_for_key
+from redisq.model.partitioner import partition_for_key
+from redisq.model.records import encode_headers
+from redisq.model.topic import TopicConfig
 from redisq.protocol.produce import LAYOUTS, encode_message
-from redisq.records import encode_headers
-from redisq.topic import TopicConfig
 from spark_connector.options import check_known, option, parse_int, resolve_url
 
 WRITE_OPTIONS = (

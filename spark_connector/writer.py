@@ -41,14 +41,14 @@ from pyspark.sql.datasource import (
 )
 
 import redisq
-from redisq import tx_ops
-from redisq.admin import server_ms
 from redisq.errors import RedisqError, TopicNotFound
+from redisq.produce.transactions import Staging, new_transaction_id
 from redisq.protocol import Command, Operation, run_operation
 from redisq.protocol import produce as protocol
+from redisq.protocol import transaction_ops as tx_ops
 from redisq.protocol.produce import BatchResult, ProducerIdentity
-from redisq.protocol.transactions import StagedBatch
-from redisq.transactions import Staging, Writer, new_transaction_id
+from redisq.protocol.topics import server_ms
+from redisq.protocol.transactions import StagedBatch, Writer
 from spark_connector import commit
 from spark_connector.write_rows import RowEncoder, WriteOptions
 

@@ -29,6 +29,21 @@ local function ensure_group(stream, group, start_id)
   return 1
 end
 
+-- stream_group(stream, group): the fields of `group`'s entry in XINFO GROUPS of `stream` (name,
+-- last-delivered-id, entries-read, pending, ...), or nil when the stream has no such group.
+local function stream_group(stream, group)
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #info, 2 do
+      fields[info[i]] = info[i + 1]
+    end
+    if fields['name'] == group then
+      return fields
+    end
+  end
+  return nil
+end
+
 -- lease_holder(lease, value): true while `lease` holds exactly `value` ("" skips the check:
 -- concurrent mode has no leases).
 local function lease_holder(lease, value)

@@ -18,50 +18,87 @@ The producer and consumer run the cores the thread API runs (accumulator.py, the
 core) and the same protocol layer; only the I/O differs.
 """
 
-from redisq.asyncio.broker import Broker, connect
-from redisq.asyncio.consumer import Consumer
-from redisq.asyncio.producer import Producer
-from redisq.asyncio.transactional import Transaction
+from redisq.broker_async import Broker, connect
+from redisq.consume.consumer_async import Consumer
 from redisq.errors import (
+    AlreadyAcked,
+    CommitNotConfirmed,
+    ConnectionLost,
+    ConsumerClosed,
     DeliveryTimeout,
+    GroupInUse,
+    GroupNotFound,
     InvalidConfig,
     InvalidName,
     LeaseLost,
     MessageTooLarge,
+    NotEnoughReplicas,
     OutOfOrderSequence,
     PartitionOutOfRange,
     ProducerClosed,
     ProducerFenced,
+    ReadFailed,
     RedisqError,
     TopicExists,
+    TopicInUse,
     TopicNotFound,
     TransactionAborted,
+    TransactionDecided,
+    TransactionInProgress,
+    UnsupportedServer,
 )
-from redisq.records import Message, RecordMetadata
-from redisq.transactions import TransactionResult, TxMessage, TxState
+from redisq.model.groups import GroupDescription, MemberInfo, OffsetReset, PartitionLag
+from redisq.model.partitioner import partition_for_key
+from redisq.model.records import MalformedEntry, MalformedMessage, Message, RecordMetadata
+from redisq.model.topic import PartitionInfo, TopicConfig, TopicDescription
+from redisq.model.transactions import TransactionResult, TxMessage, TxState
+from redisq.produce.producer_async import Producer
+from redisq.produce.transactional_async import Transaction
 
 __all__ = [
     "Broker",
+    "CommitNotConfirmed",
+    "ConsumerClosed",
+    "ConnectionLost",
     "Consumer",
     "DeliveryTimeout",
+    "GroupDescription",
+    "GroupInUse",
+    "GroupNotFound",
     "InvalidConfig",
     "InvalidName",
+    "AlreadyAcked",
     "LeaseLost",
+    "MalformedEntry",
+    "MalformedMessage",
+    "MemberInfo",
     "Message",
     "MessageTooLarge",
+    "NotEnoughReplicas",
+    "OffsetReset",
     "OutOfOrderSequence",
+    "PartitionInfo",
+    "PartitionLag",
     "PartitionOutOfRange",
     "Producer",
     "ProducerClosed",
     "ProducerFenced",
+    "ReadFailed",
     "RecordMetadata",
     "RedisqError",
+    "TopicConfig",
+    "TopicDescription",
     "TopicExists",
+    "TopicInUse",
     "TopicNotFound",
     "Transaction",
     "TransactionAborted",
+    "TransactionDecided",
+    "TransactionInProgress",
     "TransactionResult",
     "TxMessage",
     "TxState",
+    "UnsupportedServer",
     "connect",
+    "partition_for_key",
 ]

@@ -23,6 +23,7 @@ from redisq.cli import (
     groups,
     lag,
     messages,
+    produce,
     scheduler,
     server,
     topics,
@@ -41,8 +42,8 @@ from redisq.cli.common import (
     print_table,
     settings,
 )
-from redisq.connection import redact_url
 from redisq.errors import GroupNotFound, RedisqError, TopicExists, TopicInUse, TopicNotFound
+from redisq.server.connection import redact_url
 
 __all__ = ["Progress", "build_parser", "cli", "main", "print_table"]
 
@@ -119,7 +120,7 @@ def cli() -> None:
 
 for _command in (
     topics.topic,
-    messages.produce,
+    produce.produce,
     messages.consume,
     groups.group,
     lag.lag,

@@ -7,7 +7,8 @@ import argparse
 
 import click
 
-from redisq.cli.common import connection_options, print_table, settings
+from redisq.cli.common import USAGE, connection_options, print_table, server_url, settings, warn
+from redisq.cli.spark_output import spark_log
 
 # Imports no pyspark: the kinds and their help come from the connector.
 from spark_connector.commands import AUDIT_KINDS
@@ -31,25 +32,41 @@ def _make(kind: str, text: str) -> click.Command:
     )
     @click.option("--master", help="Spark master (default: local[*]; or SPARK_REMOTE).")
     @click.option(
-        "--top", type=click.IntRange(min=1), default=10, show_default=True,
+        "--top",
+        type=click.IntRange(min=1),
+        default=10,
+        show_default=True,
         help="skew: how many hot keys.",
-    )  # fmt: skip
+    )
     @click.option(
-        "--bucket-ms", type=click.IntRange(min=1), default=1000, show_default=True,
+        "--bucket-ms",
+        type=click.IntRange(min=1),
+        default=1000,
+        show_default=True,
         help="throughput: bucket width in ms.",
-    )  # fmt: skip
+    )
     @click.option(
-        "--by", type=click.Choice(["hash", "message_id"]), default="hash", show_default=True,
+        "--by",
+        type=click.Choice(["hash", "message_id"]),
+        default="hash",
+        show_default=True,
         help="content: what makes two messages the same (key and value, or message id).",
-    )  # fmt: skip
+    )
     @click.option(
-        "--against", help="content: a source table (name, or parquet/csv/json path) to compare.",
-    )  # fmt: skip
+        "--against",
+        help="content: a source table (name, or parquet/csv/json path) to compare.",
+    )
     @connection_options
     def command(
-        topic: str, group: str | None, plot: str | None, master: str | None, top: int,
-        bucket_ms: int, by: str, against: str | None,
-    ) -> int:  # fmt: skip
+        topic: str,
+        group: str | None,
+        plot: str | None,
+        master: str | None,
+        top: int,
+        bucket_ms: int,
+        by: str,
+        against: str | None,
+    ) -> int:
         from spark_connector.commands import run_audit
 
         chosen = settings()
@@ -63,10 +80,14 @@ def _make(kind: str, text: str) -> click.Command:
             bucket_ms=bucket_ms,
             by=by,
             against=against,
-            url=chosen.resolved_url,
+            url=server_url(),
             namespace=chosen.resolved_namespace,
         )
-        return run_audit(args, print_table)
+        with spark_log() as log:
+            code = run_audit(args, print_table)
+            if code == USAGE and (path := log.kept_when_written()) is not None:
+                warn(f"redisq audit: Spark's own output is in {path}")
+        return code
 
     return command
 

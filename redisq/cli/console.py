@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from redisq.cli.common import connection_options, settings
+from redisq.cli.common import connection_options, server_url, settings
 from redisq.console import BASIC_AUTH_ENV, DEFAULT_HOST, DEFAULT_PORT, TOKEN_ENV
 
 
@@ -15,8 +15,13 @@ from redisq.console import BASIC_AUTH_ENV, DEFAULT_HOST, DEFAULT_PORT, TOKEN_ENV
     show_default=True,
     help="Address to listen on. Beyond loopback a token or basic auth is required.",
 )
-@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
-              help="Port to listen on.")  # fmt: skip
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=DEFAULT_PORT,
+    show_default=True,
+    help="Port to listen on.",
+)
 @click.option(
     "--token",
     envvar=TOKEN_ENV,
@@ -54,8 +59,7 @@ def console(
     chosen = settings()
     argv = ["--namespace", chosen.resolved_namespace, "--host", host, "--port", str(port)]
     argv += ["--sample-interval", str(sample_interval)]
-    if chosen.resolved_url:
-        argv += ["--url", chosen.resolved_url]
+    argv += ["--url", server_url()]
     # An empty one is refused (InvalidConfig), not taken for "no authentication".
     if token is not None:
         argv += ["--token", token]

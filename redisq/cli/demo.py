@@ -1,13 +1,17 @@
 """`redisq demo`: the mission end to end, on the embedded server unless --url/REDIS_URL is given.
 
-1. A key-ordered, idempotent producer sends messages for many keys while a chaos thread kills
-   its connections over and over (CLIENT KILL): the producer retries the very same batches.
+1. A key-ordered, idempotent producer sends messages for many keys through a proxy that loses
+   the answers of some batches for real (demo_proxy.py: the server wrote them, the connection
+   is cut before the answer arrives): the producer re-sends those very batches, and the server
+   answers the copies as duplicates. The step counts both and says so when a run showed none.
 2. A check reads every partition back and prints whether every key's messages are there once
    each, in the order they were sent.
 3. message_id mode: the same business ids sent twice are written once.
-4. An orderly consumer group of three members reads the topic; one member is lost mid-way
-   (it stops without acking or releasing its leases); the others take its partitions over once
-   its leases expire, and a check prints that per-key order held and every message was handled.
+4. An orderly consumer group of three members reads the topic; once Redis shows the leases
+   spread over several members, one of them is lost (SIGKILL: it stops without acking or
+   releasing its leases); the step prints who held what, the others take its partitions over
+   once its leases expire, and a check prints that per-key order held and every message was
+   handled. Here too the step says so when a run did not show its claim.
 """
 
 from __future__ import annotations
@@ -17,62 +21,48 @@ import json
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
 import uuid
 from collections import defaultdict
 from typing import Any
-
-import redis
+from urllib.parse import urlsplit
 
 import redisq
 from redisq.cli.common import Progress, print_table
-from redisq.connection import resolve_url
+from redisq.cli.demo_proxy import AnswerLosingProxy
+from redisq.cli.spark_output import spark_log
+from redisq.server.connection import resolve_url
 
 TOPIC = "demo-orders"
 PARTITIONS = 4
 LEASE_TTL_MS = 2000
-CHAOS_NAME = "redisq-demo-producer"
 
 
-class ConnectionChaos(threading.Thread):
-    """Kills the demo producer's connections (found by client name) every `interval` seconds."""
-
-    def __init__(self, client: Any, interval: float = 0.05) -> None:
-        super().__init__(name="redisq-demo-chaos", daemon=True)
-        self._client = client
-        self._interval = interval
-        self._stop_event = threading.Event()
-        self.kills = 0
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self._interval):
-            try:
-                for info in self._client.client_list():
-                    if info.get("name") == CHAOS_NAME:
-                        self._client.client_kill_filter(_id=info["id"])
-                        self.kills += 1
-            except redis.RedisError:
-                pass
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
-
-def produce_with_chaos(url: str | None, namespace: str, messages: int, keys: int) -> dict[str, Any]:
+def produce_losing_answers(url: str, namespace: str, messages: int, keys: int) -> dict[str, Any]:
+    """The idempotent producer sends through a proxy that loses the answer of every 5th batch
+    sent (at most 5): the server wrote it, the producer does not know, so it sends it again.
+    Counts what happened instead of assuming it: answers lost, batches re-sent, and messages
+    the server answered as already written."""
     admin = redisq.connect(url, namespace=namespace)
     admin.create_topic(TOPIC, partitions=PARTITIONS, exist_ok=True)
-    chaos_target = redisq.connect(url, namespace=namespace, client_name=CHAOS_NAME)
-    chaos = ConnectionChaos(admin.client)
+    target = urlsplit(url)
+    # A batch for the demo topic names one of its partition keys in its KEYS: what the names
+    # of two partitions have in common is the start of every one.
+    needle = os.path.commonprefix([admin.keys.log(TOPIC, 0), admin.keys.log(TOPIC, 1)]).encode()
+    proxy = AnswerLosingProxy(target.hostname or "127.0.0.1", target.port or 6379, needle)
+    proxied = proxy.url_for(url)
+    if proxied is not None:
+        proxy.start()
+    sender = redisq.connect(proxied or url, namespace=namespace)
     sent_per_key: dict[str, int] = defaultdict(int)
     futures = []
     progress = Progress("  producing", messages, force=True)
-    with chaos_target.producer(
+    with sender.producer(
         name="demo-producer", idempotence="sequence", max_batch_messages=200, linger_ms=2
     ) as producer:
-        chaos.start()
         for i in range(messages):
             key = f"customer-{i % keys}"
             n = sent_per_key[key]
@@ -81,19 +71,23 @@ def produce_with_chaos(url: str | None, namespace: str, messages: int, keys: int
             futures.append(producer.send_async(TOPIC, value, key=key))
             progress.update()
             if i % 500 == 499:
-                time.sleep(0.05)  # spread the run over the chaos
+                time.sleep(0.05)  # many batches, so that some answers can be lost
         producer.flush()
-        chaos.stop()
+        stats = producer.stats
     progress.close()
+    proxy.stop()
     acked = sum(1 for f in futures if f.exception() is None)
-    reported_duplicates = sum(1 for f in futures if f.exception() is None and f.result().duplicate)
-    chaos_target.close()
+    duplicates = sum(1 for f in futures if f.exception() is None and f.result().duplicate)
+    sender.close()
     admin.close()
     return {
         "sent": messages,
         "acked": acked,
-        "kills": chaos.kills,
-        "retried_as_duplicate": reported_duplicates,
+        "proxied": proxied is not None,
+        "cluster": sender.is_cluster,
+        "answers lost": proxy.answers_lost,
+        "batches re-sent": stats.retries,
+        "re-sent and deduplicated": duplicates,
         "per_key": dict(sent_per_key),
     }
 
@@ -150,35 +144,65 @@ def message_id_dedup(url: str | None, namespace: str) -> tuple[int, int]:
     return same_offsets, total
 
 
-def _victim(url: str, namespace: str, lease_ttl_ms: int, events: Any) -> None:
+GROUP = "demo-billing"
+VICTIM = "member-0"
+
+
+def _victim(url: str, namespace: str, lease_ttl_ms: int, pace_s: float, events: Any) -> None:
     """Member 0, in a process of its own so that it can be lost for real (SIGKILL): no commit,
     no lease release, no goodbye."""
     broker = redisq.connect(url, namespace=namespace)
-    consumer = broker.consumer(TOPIC, "demo-billing", "member-0", lease_ttl_ms=lease_ttl_ms)
+    consumer = broker.consumer(TOPIC, GROUP, VICTIM, lease_ttl_ms=lease_ttl_ms)
 
     def handle(message: redisq.Message) -> None:
         record = json.loads(message.value)
-        events.put(("S", record["key"], record["n"], "member-0", time.time(), message.partition))
-        time.sleep(0.0002)
-        events.put(("E", record["key"], record["n"], "member-0", time.time(), message.partition))
+        events.put(("S", record["key"], record["n"], VICTIM, time.time(), message.partition))
+        time.sleep(pace_s)
+        events.put(("E", record["key"], record["n"], VICTIM, time.time(), message.partition))
 
+    events.put(("J", "", 0, VICTIM, time.time(), -1))  # joining: the others may start
     consumer.run(handle)
+
+
+def lease_holders(broker: redisq.Broker) -> dict[str, list[int]]:
+    """Who holds which partition's lease now (describe_group: what Redis says, not what a
+    member believes)."""
+    held: dict[str, list[int]] = defaultdict(list)
+    try:
+        description = broker.describe_group(TOPIC, GROUP)
+    except (redisq.errors.GroupNotFound, redisq.errors.ReadFailed):
+        return {}  # no member has joined yet; or a read to try again at the next look
+    for p in description.partitions:
+        if p.owner:
+            held[p.owner].append(p.partition)
+    return dict(held)
+
+
+def _holders_text(held: dict[str, list[int]]) -> str:
+    return "; ".join(
+        f"{member}: {', '.join(map(str, sorted(parts)))}" for member, parts in sorted(held.items())
+    )
 
 
 def consume_with_lost_member(
     url: str, namespace: str, sent_per_key: dict[str, int], lease_ttl_ms: int = 2000
 ) -> dict[str, Any]:
-    """Three orderly members; member 0 (a process of its own) is killed after a third of the
-    messages. Handler starts and ends carry the wall clock (one machine, one clock), so sorting
-    them gives the real order: a start of (key, n) needs an end of (key, n - 1) before it."""
+    """Three orderly members; member-0 (a process of its own) is killed once the leases are
+    spread (it and another member hold partitions, as Redis says) and it has handled messages.
+    Handlers take a few ms each, so the topic is not read to the end before that. Handler
+    starts and ends carry the wall clock (one machine, one clock), so sorting them gives the
+    real order: a start of (key, n) needs an end of (key, n - 1) before it."""
     broker = redisq.connect(url, namespace=namespace)
     partitions = broker.topic_config(TOPIC).partitions
     total = sum(sent_per_key.values())
+    # Handlers pace the read to ~4 s of handler time per partition: long enough for the
+    # leases to spread before the topic is read to the end.
+    pace_s = min(0.005, max(0.0002, 4.0 * partitions / max(total, 1)))
     log: list[tuple[str, str, int, str, float, int]] = []
     lock = threading.Lock()
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
-    victim = context.Process(target=_victim, args=(url, namespace, lease_ttl_ms, events))
+    victim = context.Process(target=_victim, args=(url, namespace, lease_ttl_ms, pace_s, events))
     victim.start()
 
     def make_handler(member: str) -> Any:
@@ -187,7 +211,7 @@ def consume_with_lost_member(
             at = time.time()
             with lock:
                 log.append(("S", record["key"], record["n"], member, at, message.partition))
-            time.sleep(0.0002)
+            time.sleep(pace_s)
             with lock:
                 log.append(
                     ("E", record["key"], record["n"], member, time.time(), message.partition)
@@ -195,11 +219,14 @@ def consume_with_lost_member(
 
         return handle
 
-    # Member 0 starts alone (it takes every partition), then the others join and share them.
-    log.append(events.get(timeout=60))
+    # Member 0 joins first (it takes every partition), then the others join and the leases
+    # move until each holds its share.
+    try:
+        log.append(events.get(timeout=120))
+    except queue.Empty:  # it never started: the output says what was not shown
+        pass
     members = [
-        broker.consumer(TOPIC, "demo-billing", f"member-{i}", lease_ttl_ms=lease_ttl_ms)
-        for i in (1, 2)
+        broker.consumer(TOPIC, GROUP, f"member-{i}", lease_ttl_ms=lease_ttl_ms) for i in (1, 2)
     ]
     threads = [
         threading.Thread(target=m.run, args=(make_handler(m.name),), daemon=True) for m in members
@@ -209,7 +236,10 @@ def consume_with_lost_member(
     progress = Progress("  consuming", total, force=True)
     ended = 0
     lost_at = 0.0
-    deadline = time.monotonic() + 300
+    at_kill: dict[str, list[int]] = {}
+    taken: dict[int, tuple[str, float]] = {}  # the victim's partitions: new holder, when
+    started = time.monotonic()
+    deadline = started + 300
     while time.monotonic() < deadline:
         while not events.empty():
             event = events.get()
@@ -217,15 +247,26 @@ def consume_with_lost_member(
                 log.append(event)
         with lock:
             done = {(k, n) for kind, k, n, *_rest in log if kind == "E"}
+            victim_handled = {e[5] for e in log if e[3] == VICTIM and e[0] == "E"}
         progress.update(len(done) - ended)
         ended = len(done)
-        with lock:
-            shared = any(e[3] != "member-0" for e in log)  # the others got partitions
-        if not lost_at and shared and ended >= total // 3 and victim.pid is not None:
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.join(10)
-            lost_at = time.time()
-        if ended >= total:
+        held = lease_holders(broker)
+        if not lost_at:
+            # Every member holds a lease, and the victim has handled messages of its own.
+            spread = len(held) == 3 and bool(set(held.get(VICTIM, [])) & victim_handled)
+            # Spread, or given up waiting (then the output says what it did not show).
+            if spread or time.monotonic() - started > 60 or ended >= total:
+                at_kill = held
+                if victim.pid is not None:
+                    os.kill(victim.pid, signal.SIGKILL)
+                victim.join(10)
+                lost_at = time.time()
+        else:
+            for p in at_kill.get(VICTIM, []):
+                holder = next((m for m, parts in held.items() if p in parts), None)
+                if p not in taken and holder not in (None, VICTIM):
+                    taken[p] = (str(holder), time.time())
+        if lost_at and ended >= total and len(taken) == len(at_kill.get(VICTIM, [])):
             break
         time.sleep(0.1)
     progress.close()
@@ -240,33 +281,33 @@ def consume_with_lost_member(
     ended_set: set[tuple[str, int]] = set()
     order_violations = 0
     starts = 0
-    takeover_at: dict[int, float] = {}
-    # What member 0 held when it was killed: the partitions it handled in its last half second.
-    victim_partitions = {
-        e[5] for e in log if e[3] == "member-0" and lost_at - 0.5 <= e[4] <= lost_at
-    }
-    for kind, key, n, _member, at, partition in log:
+    for kind, key, n, _member, _at, _partition in log:
         if kind == "S":
             starts += 1
             if n > 0 and (key, n - 1) not in ended_set:
                 order_violations += 1
-            if lost_at and at > lost_at and partition in victim_partitions:
-                takeover_at.setdefault(partition, at)
-        else:
+        elif kind == "E":
             ended_set.add((key, n))
     expected = {(k, n) for k, count in sent_per_key.items() for n in range(count)}
     broker.close()
-    delays = [at - lost_at for at in takeover_at.values()]
+    lost = sorted(at_kill.get(VICTIM, []))
+    new_holders: dict[str, list[int]] = defaultdict(list)
+    for p, (holder, _at) in taken.items():
+        new_holders[holder].append(p)
+    delays = [at - lost_at for _holder, at in taken.values()]
     return {
-        "partitions / members": f"{partitions} partitions, 3 members (member-0 killed)",
-        "lost member's partitions": ", ".join(map(str, sorted(victim_partitions))) or "-",
-        "takeover after (s)": (
-            f"{max(delays):.2f}" if delays else "- (member-0 was idle when it was killed)"
-        ),
+        "partitions / members": f"{partitions} partitions, 3 members ({VICTIM} killed)",
+        "leases held at the kill": _holders_text(at_kill) or "-",
+        "lost member's partitions": ", ".join(map(str, lost)) or "-",
+        "taken over by": _holders_text(dict(new_holders)) or "-",
+        "takeover after (s)": f"{max(delays):.2f}" if delays else "-",
         "messages handled at least once": f"{len(expected & ended_set):,}/{len(expected):,}",
         "handled again after the loss (at-least-once)": starts - len(ended_set & expected),
         "per-key order violations": order_violations,
         "_ok": expected <= ended_set and order_violations == 0,
+        "_holders_at_kill": len(at_kill),
+        "_victim_held": len(lost),
+        "_taken_over": len(taken) == len(lost) > 0,
     }
 
 
@@ -278,11 +319,17 @@ def spark_audit(url: str | None, namespace: str) -> bool | None:
     from spark_connector.jobs import demo_audit
 
     resolved, _ = resolve_url(url)  # the embedded server's url, for the Spark workers
-    try:
-        clean, verdict = demo_audit(resolved, namespace, TOPIC)
-    except Exception as exc:  # no JVM, no pyarrow on the workers, ...
-        print(f"  skipped: Spark could not run here ({type(exc).__name__}: {str(exc)[:200]})")
-        return None
+    with spark_log() as log:
+        try:
+            clean, verdict = demo_audit(resolved, namespace, TOPIC)
+        except Exception as exc:  # no JVM, no pyarrow on the workers, ...
+            path = log.kept_when_written()
+            where = f"; Spark's own output is in {path}" if path else ""
+            print(
+                f"  skipped: Spark could not run here ({type(exc).__name__}: "
+                f"{str(exc)[:200]}){where}"
+            )
+            return None
     print("  " + verdict.replace("\n", "\n  "))
     return clean
 
@@ -319,61 +366,103 @@ def _drop_namespace(url: str | None, namespace: str) -> None:
 
 
 def _run_steps(url: str | None, namespace: str, messages: int, keys: int) -> bool:
-    print(
-        f"\n1. {messages:,} messages for {keys} keys to {TOPIC} ({PARTITIONS} partitions), "
-        "idempotent producer, connections killed every 50 ms"
-    )
-    produced = produce_with_chaos(url, namespace, messages, keys)
-    print(
-        f"  {produced['acked']:,}/{produced['sent']:,} acknowledged; the chaos thread killed "
-        f"{produced['kills']} producer connections; {produced['retried_as_duplicate']} messages "
-        "were re-sent after a kill and recognised as already written"
-    )
+    resolved = resolve_url(url)[0]
+    ok, produced = step_produce(resolved, namespace, messages, keys)
 
     print("\n2. reading every partition back")
-    verdict = check_order(url, namespace, produced["per_key"])
+    verdict = check_order(resolved, namespace, produced["per_key"])
     print_table(list(verdict.items()), ["check", "value"])
-    ok = (
+    read_ok = (
         verdict["duplicates"] == verdict["missing"] == verdict["out of order"] == 0
         and verdict["in a wrong partition"] == 0
-        and produced["acked"] == produced["sent"]
     )
+    ok = ok and read_ok
     print("  per-key order intact, zero duplicates, nothing lost" if ok else "  CHECK FAILED")
 
     print("\n3. message_id mode: 100 payments sent twice")
-    same, total = message_id_dedup(url, namespace)
+    same, total = message_id_dedup(resolved, namespace)
     print(
         f"  {same}/100 second sends answered as duplicates with the first offset; "
         f"{total} messages in the topic"
     )
     ok = ok and same == 100 and total == 100
 
-    ttl_s = LEASE_TTL_MS / 1000
-    print(
-        f"\n4. an orderly consumer group of 3 members reads the {PARTITIONS} partitions (lease "
-        f"ttl {ttl_s:g} s); member-0, a process of its own, is killed with SIGKILL mid-way"
-    )
-    consumed = consume_with_lost_member(
-        resolve_url(url)[0], namespace, produced["per_key"], LEASE_TTL_MS
-    )
-    consumed_ok = consumed.pop("_ok")
-    print_table(list(consumed.items()), ["check", "value"])
-    print(
-        "  takeover: from the kill until another member handled the lost partitions. A killed "
-        "member\n  never releases its leases, so the others wait for them to expire: up to the "
-        f"lease ttl ({ttl_s:g} s)\n  plus one heartbeat ({min(LEASE_TTL_MS // 3, 3000) / 1000:g} "
-        "s). A member that closes hands over at once."
-    )
-    print(
-        "  per-key order held and every message handled at least once"
-        if consumed_ok
-        else "  CHECK FAILED"
-    )
-    ok = ok and consumed_ok
+    ok = step_consume(resolved, namespace, produced["per_key"]) and ok
 
     print("\n5. Spark audits the demo topic: per producer and partition, sequence gaps, duplicates")
     print("   and out-of-order messages; per key, out-of-order messages")
-    audit = spark_audit(url, namespace)
+    audit = spark_audit(resolved, namespace)
     if audit is not None:
         ok = ok and audit
     return ok
+
+
+def step_produce(url: str, namespace: str, messages: int, keys: int) -> tuple[bool, dict[str, Any]]:
+    """Step 1, printed: (every message acknowledged?, what produce_losing_answers counted). What
+    it claims (answers lost, copies answered as duplicates) it checks, and says so when a run
+    did not show it."""
+    print(
+        f"\n1. {messages:,} messages for {keys} keys to {TOPIC} ({PARTITIONS} partitions), "
+        "idempotent producer; a proxy between it and the server loses the answer of every 5th "
+        "batch sent (at most 5): the server wrote the batch, the producer never hears so"
+    )
+    produced = produce_losing_answers(url, namespace, messages, keys)
+    print(
+        f"  {produced['acked']:,}/{produced['sent']:,} acknowledged; {produced['answers lost']} "
+        f"answers lost; {produced['batches re-sent']} batches re-sent; "
+        f"{produced['re-sent and deduplicated']:,} re-sent messages deduplicated (answered as "
+        "already written, not written again)"
+    )
+    if produced["re-sent and deduplicated"]:
+        print("  shown: a lost answer makes the producer send again, and the copy is not written")
+    elif not produced["proxied"]:
+        print(
+            "  NOT SHOWN: no answer was lost (the proxy cannot sit in front of a TLS or unix "
+            "socket url), so nothing was re-sent"
+        )
+    else:
+        why = (
+            "a cluster client talks to its nodes directly, past the proxy"
+            if produced["cluster"]
+            else "the cut answers held no batch that had been written"
+        )
+        print(f"  NOT SHOWN: no re-sent message was answered as a duplicate ({why})")
+    return produced["acked"] == produced["sent"], produced
+
+
+def step_consume(url: str, namespace: str, sent_per_key: dict[str, int]) -> bool:
+    """Step 4, printed: True when every message was handled and per-key order held. What it
+    claims (several members hold partitions when one is killed, the others take its
+    partitions over) it checks, and says so when a run did not show it."""
+    ttl_s = LEASE_TTL_MS / 1000
+    print(
+        f"\n4. an orderly consumer group of 3 members reads the {PARTITIONS} partitions (lease "
+        f"ttl {ttl_s:g} s); once the leases are spread, {VICTIM}, a process of its own, is "
+        "killed with SIGKILL"
+    )
+    consumed = consume_with_lost_member(url, namespace, sent_per_key, LEASE_TTL_MS)
+    ok = consumed.pop("_ok")
+    holders = consumed.pop("_holders_at_kill")
+    victim_held = consumed.pop("_victim_held")
+    taken_over = consumed.pop("_taken_over")
+    print_table(list(consumed.items()), ["check", "value"])
+    if holders > 1 and victim_held:
+        print(f"  shown: {holders} members held partitions when {VICTIM} was killed")
+    else:
+        print(
+            f"  NOT SHOWN: {holders} member(s) held partitions when {VICTIM} was killed "
+            f"({VICTIM} held {victim_held}): the leases had not spread in time"
+        )
+    if taken_over:
+        print(
+            "  takeover: from the kill until another member held each lost partition's lease. A "
+            "killed member\n  never releases its leases, so the others wait for them to expire: "
+            f"up to the lease ttl ({ttl_s:g} s)\n  plus one heartbeat "
+            f"({min(LEASE_TTL_MS // 3, 3000) / 1000:g} s). A member that closes hands over at once."
+        )
+    else:
+        print(f"  NOT SHOWN: no other member took over {VICTIM}'s partitions")
+    print(
+        "  per-key order held and every message handled at least once" if ok else "  CHECK FAILED"
+    )
+    return bool(ok)

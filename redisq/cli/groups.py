@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
 import click
 import redis
@@ -14,22 +16,54 @@ from redisq.cli.common import (
     age,
     connect,
     connection_options,
+    plural,
     print_table,
     say,
     warn,
 )
-from redisq.errors import GroupNotFound, RedisqError, TopicNotFound
-from redisq.group import (
-    GroupInUse,
-    delete_group,
-    describe_group,
-    group_exists,
-    list_groups,
-    reset_offsets,
-)
+from redisq.errors import GroupInUse, GroupNotFound, RedisqError, TopicNotFound
+from redisq.protocol.groups import group_exists
 
-if TYPE_CHECKING:
-    from redisq.broker import Broker
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def topic_before_group(command: F) -> F:
+    """Every command that names a topic and a group takes TOPIC GROUP, in that order. The other
+    order (TOPIC names no topic, GROUP names one) is refused as a usage error that says so,
+    not reported as a missing topic or group."""
+
+    @functools.wraps(command)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (TopicNotFound, GroupNotFound):
+            topic, group_name = kwargs.get("topic"), kwargs.get("group_name")
+            if topic and group_name and _swapped(topic, group_name):
+                path = click.get_current_context().command_path
+                raise click.UsageError(
+                    f"the arguments are TOPIC GROUP: {topic!r} names no topic and "
+                    f"{group_name!r} does ({path} {group_name} {topic} ...)"
+                ) from None
+            raise
+
+    return checked  # type: ignore[return-value]
+
+
+def _swapped(topic: str, group_name: str) -> bool:
+    """TOPIC names no topic and GROUP names one."""
+
+    def exists(name: str) -> bool:
+        try:
+            broker.topic_config(name, refresh=True)
+        except (RedisqError, ValueError):  # TopicNotFound, or no valid topic name
+            return False
+        return True
+
+    try:
+        with connect() as broker:
+            return not exists(topic) and exists(group_name)
+    except (RedisqError, redis.RedisError):
+        return False
 
 
 def show(raw: bytes | None, limit: int | None = None) -> str:
@@ -58,8 +92,8 @@ def list_command(topic: str | None) -> int:
     """Groups (of TOPIC, or of every topic) with members, lag and pending."""
     with connect() as broker:
         rows = []
-        for name, group_name in list_groups(broker, topic):
-            d = describe_group(broker, name, group_name)
+        for name, group_name in broker.list_groups(topic):
+            d = broker.describe_group(name, group_name)
             lag = d.total_lag
             rows.append(
                 (
@@ -80,14 +114,15 @@ def list_command(topic: str | None) -> int:
 @click.argument("topic")
 @click.argument("group_name", metavar="GROUP")
 @connection_options
+@topic_before_group
 def describe(topic: str, group_name: str) -> int:
     """Members of GROUP on TOPIC; per partition: owner, lease, lag, pending, position, dead
     letters, parked keys, held messages, malformed entries and a blocked (poison) message."""
     with connect() as broker:
-        d = describe_group(broker, topic, group_name)
+        d = broker.describe_group(topic, group_name)
     say(
         f"group {d.group} on {d.topic}: mode={d.mode}, start={d.start}, policy={d.policy}, "
-        f"{len(d.members)} members, lag {'?' if d.total_lag is None else d.total_lag}, "
+        f"{plural(len(d.members), 'member')}, lag {'?' if d.total_lag is None else d.total_lag}, "
         f"{d.total_held} held, {d.total_malformed} malformed, dead letters waiting: "
         f"{d.dead_letter_messages} in {d.dead_letter_topic or '-'}"
     )
@@ -142,14 +177,13 @@ def describe(topic: str, group_name: str) -> int:
 @click.option("--force", is_flag=True, help="Delete even while the group has live members.")
 @click.option("--keep-dead-letters", is_flag=True, help="Keep the group's dead-letter topic.")
 @connection_options
+@topic_before_group
 def delete(topic: str, group_name: str, force: bool, keep_dead_letters: bool) -> int:
     """Delete GROUP of TOPIC and everything it owns (positions, pending entries, leases, parked
     keys, its dead-letter topic)."""
     with connect() as broker:
         try:
-            delete_group(
-                broker, topic, group_name, force=force, keep_dead_letters=keep_dead_letters
-            )
+            broker.delete_group(topic, group_name, force=force, keep_dead_letters=keep_dead_letters)
         except GroupInUse as exc:
             warn(f"redisq: GroupInUse: {exc}; or use --force")
             return FAILED
@@ -169,8 +203,8 @@ def _parse_datetime(value: str) -> datetime:
 
 
 @group.command("reset-offsets")
-@click.argument("group_name", metavar="GROUP")
 @click.argument("topic")
+@click.argument("group_name", metavar="GROUP")
 @click.option("--to-earliest", is_flag=True, help="Read every retained message again.")
 @click.option("--to-latest", is_flag=True, help="Skip to the end of every partition.")
 @click.option(
@@ -195,9 +229,10 @@ def _parse_datetime(value: str) -> datetime:
 )
 @click.option("--dry-run", is_flag=True, help="Show what would change, change nothing.")
 @connection_options
+@topic_before_group
 def reset(
-    group_name: str,
     topic: str,
+    group_name: str,
     to_earliest: bool,
     to_latest: bool,
     to_datetime: str | None,
@@ -218,8 +253,7 @@ def reset(
     when = _parse_datetime(to_datetime) if to_datetime is not None else None
     with connect() as broker:
         try:
-            results = reset_offsets(
-                broker,
+            results = broker.reset_offsets(
                 topic,
                 group_name,
                 to_earliest=to_earliest,
@@ -230,12 +264,6 @@ def reset(
                 partitions=list(partitions) or None,
                 dry_run=dry_run,
             )
-        except (GroupNotFound, TopicNotFound):
-            if group_exists_swapped(broker, group_name, topic):
-                raise click.UsageError(
-                    f"the arguments are GROUP TOPIC: reset-offsets {topic} {group_name}"
-                ) from None
-            raise
         except GroupInUse as exc:
             warn(f"redisq: GroupInUse: {exc}")
             return FAILED
@@ -263,17 +291,9 @@ def reset(
     say(
         f"dry run: nothing changed in group {group_name} of {topic}"
         if dry_run
-        else f"reset group {group_name} of {topic} on {len(results)} partition(s)"
+        else f"reset group {group_name} of {topic} on {plural(len(results), 'partition')}"
     )
     return OK
-
-
-def group_exists_swapped(broker: Broker, group_name: str, topic: str) -> bool:
-    """Whether TOPIC GROUP was meant (a group named like the topic argument exists)."""
-    try:
-        return group_exists(broker, group_name, topic)
-    except (RedisqError, redis.RedisError):
-        return False
 
 
 # -- dead letters --------------------------------------------------------------------------------
@@ -287,9 +307,10 @@ def dlq() -> None:
 @click.argument("group_name", metavar="GROUP")
 @click.option("--max", "limit", type=click.IntRange(min=1), help="Show at most this many.")
 @connection_options
+@topic_before_group
 def dlq_list(topic: str, group_name: str, limit: int | None) -> int:
     """The dead letters of GROUP on TOPIC, oldest first."""
-    from redisq.deadletter import list_dead_letters, require_dead_letters
+    from redisq.consume.deadletter import list_dead_letters, require_dead_letters
 
     with connect() as broker:
         require_dead_letters(broker, topic, group_name)
@@ -319,6 +340,7 @@ def dlq_list(topic: str, group_name: str, limit: int | None) -> int:
 @click.option("--key", help="Replay the dead letters of this key.")
 @click.option("--to", "to_topic", help="Send them to this topic instead of where each came from.")
 @connection_options
+@topic_before_group
 def dlq_replay(
     topic: str,
     group_name: str,
@@ -329,7 +351,11 @@ def dlq_replay(
 ) -> int:
     """Send dead letters of GROUP on TOPIC back to the topic each came from (or --to), then
     drop them from the dead-letter topic."""
-    from redisq.deadletter import list_dead_letters, replay_dead_letters, require_dead_letters
+    from redisq.consume.deadletter import (
+        list_dead_letters,
+        replay_dead_letters,
+        require_dead_letters,
+    )
 
     if not everything and not offsets and key is None:
         raise click.UsageError("dlq replay needs --all, --offset or --key")
@@ -357,7 +383,7 @@ def dlq_replay(
         target = to_topic or d.topic or topic
         targets[target] = targets.get(target, 0) + 1
     where = ", ".join(f"{n} to {t}" for t, n in sorted(targets.items()))
-    say(f"replayed {count} dead letters" + (f": {where}" if where else ""))
+    say(f"replayed {plural(count, 'dead letter')}" + (f": {where}" if where else ""))
     return OK
 
 
@@ -366,15 +392,16 @@ def dlq_replay(
 @click.argument("group_name", metavar="GROUP")
 @click.argument("key")
 @connection_options
+@topic_before_group
 def dlq_release(topic: str, group_name: str, key: str) -> int:
     """Release KEY, parked by failure_policy=park_key in GROUP on TOPIC: its held messages go
     on."""
-    from redisq.deadletter import release_key
+    from redisq.consume.deadletter import release_key
 
     with connect() as broker:
         broker.topic_config(topic, refresh=True)
-        if not group_exists(broker, topic, group_name):
+        if not broker.run(group_exists(broker.keys, topic, group_name)):
             raise GroupNotFound(topic, group_name)
         count = release_key(broker, topic, group_name, key)
-    say(f"released key {key!r} on {count} partition(s)")
+    say(f"released key {key!r} on {plural(count, 'partition')}")
     return OK

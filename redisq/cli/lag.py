@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from redisq.cli.common import OK, USAGE, connect, connection_options, print_table, say, warn
-from redisq.group import describe_group, list_groups
+from redisq.cli.groups import topic_before_group
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -37,14 +37,15 @@ Series = dict[str, list[list[int]]]
     help="Seconds between samples.",
 )
 @connection_options
+@topic_before_group
 def lag(topic: str, group_name: str | None, plot: str | None, samples: int, interval: float) -> int:
     """Lag (messages not yet handled) per group and partition of TOPIC."""
     with connect() as broker:
         if group_name is not None:
             groups = [group_name]
-            describe_group(broker, topic, group_name)  # TopicNotFound / GroupNotFound first
+            broker.describe_group(topic, group_name)  # TopicNotFound / GroupNotFound first
         else:
-            groups = [g for _t, g in list_groups(broker, topic)]  # TopicNotFound first
+            groups = [g for _t, g in broker.list_groups(topic)]  # TopicNotFound first
         series: Series = {g: [] for g in groups}
         partitions = broker.topic_config(topic).partitions
         for sample in range(samples):
@@ -52,7 +53,7 @@ def lag(topic: str, group_name: str | None, plot: str | None, samples: int, inte
                 time.sleep(interval)
             rows = []
             for name in groups:
-                d = describe_group(broker, topic, name)
+                d = broker.describe_group(topic, name)
                 series[name].append([p.lag or 0 for p in d.partitions])
                 for p in d.partitions:
                     rows.append(

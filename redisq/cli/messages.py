@@ -1,4 +1,4 @@
-"""`redisq produce` and `redisq consume`: lines in, one message per line out."""
+"""`redisq consume`: one message per line out (and the stop request `produce` shares)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,24 @@ import json
 import re
 import select
 import signal
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
 import click
 
-from redisq.cli.common import FAILED, OK, Progress, connect, connection_options, out, warn
-from redisq.records import Message
+from redisq.cli.common import (
+    OK,
+    connect,
+    connection_options,
+    out,
+    plural,
+    warn,
+)
+from redisq.model.records import Message
 
 POLL_MAX = 10_000  # messages per poll() (the consumer takes at most 100,000 per call)
 
@@ -122,148 +128,39 @@ class Formatter:
         return _JSON_LINE_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-# -- produce -------------------------------------------------------------------------------------
-def _parse_headers(values: Iterable[str]) -> dict[str, str]:
-    headers = {}
-    for item in values:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise click.BadParameter(f"{item!r}: expected NAME=VALUE", param_hint="--header")
-        headers[name] = value
-    return headers
-
-
-def _lines(source: IO[bytes]) -> Iterator[bytes]:
-    for line in source:
-        yield line.rstrip(b"\r\n")
-
-
-@click.command("produce")
-@click.argument("topic")
-@click.option(
-    "--file",
-    "-f",
-    "path",
-    type=click.Path(dir_okay=False, allow_dash=True),
-    help="Read the lines from this file (default: stdin).",
-)
-@click.option(
-    "--key-separator",
-    metavar="SEP",
-    help="Split each line at the first SEP into key and value (kafka-console-producer's "
-    "parse.key); a line without SEP is an error.",
-)
-@click.option(
-    "--header",
-    "headers",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="A header on every message (repeatable).",
-)
-@click.option(
-    "--idempotence",
-    type=click.Choice(["sequence", "message_id", "none"]),
-    default="sequence",
-    show_default=True,
-    help="Producer idempotence mode.",
-)
-@click.option(
-    "--acks",
-    type=click.Choice(["leader", "replicas", "fsync"]),
-    default="leader",
-    show_default=True,
-    help="When a message counts as written.",
-)
-@click.option("--producer-name", help="Name the producer (fences older instances of it).")
-@click.option(
-    "--delay-ms",
-    type=click.IntRange(min=1),
-    help="Deliver every message this many ms after it is stored (delayed messages; a consumer "
-    "of the topic, the producer or `redisq scheduler` appends them when due).",
-)
-@click.option("--progress", is_flag=True, help="Show progress even when stderr is not a tty.")
-@connection_options
-def produce(
-    topic: str,
-    path: str | None,
-    key_separator: str | None,
-    headers: tuple[str, ...],
-    idempotence: str,
-    acks: str,
-    producer_name: str | None,
-    delay_ms: int | None,
-    progress: bool,
-) -> int:
-    """Send lines from stdin (or --file) to TOPIC, one message per line."""
-    separator = key_separator.encode() if key_separator else None
-    static_headers = _parse_headers(headers)
-    total = None
-    if path and path != "-":
-        with open(path, "rb") as counting:
-            total = sum(1 for _ in counting)
-    with connect() as broker:
-        broker.topic_config(topic, refresh=True)  # TopicNotFound before reading anything
-        source: IO[bytes] = open(path, "rb") if path and path != "-" else sys.stdin.buffer  # noqa: SIM115
-        meter = Progress(f"produce {topic}", total, force=progress)
-        failed = duplicates = 0
-        try:
-            with broker.producer(
-                name=producer_name,
-                idempotence=None if idempotence == "none" else idempotence,
-                acks=acks,
-            ) as producer:
-                futures: list[Any] = []
-                for number, line in enumerate(_lines(source), 1):
-                    meter.update()
-                    key, value = None, line
-                    if separator is not None:
-                        if separator not in line:
-                            failed += 1
-                            warn(f"redisq: line {number}: no key separator {key_separator!r}")
-                            continue
-                        key, value = line.split(separator, 1)
-                    futures.append(
-                        producer.send_async(
-                            topic, value, key or None, static_headers or None, delay_ms=delay_ms
-                        )
-                    )
-                    if len(futures) >= 10_000:
-                        failed, duplicates = _settle(futures, failed, duplicates)
-                producer.flush()
-                failed, duplicates = _settle(futures, failed, duplicates)
-        finally:
-            if source is not sys.stdin.buffer:
-                source.close()
-            meter.close()
-    written = meter.count - failed - duplicates
-    warn(f"{written:,} written, {duplicates:,} duplicates skipped, {failed:,} failed")
-    return FAILED if failed else OK
-
-
-def _settle(futures: list[Any], failed: int, duplicates: int) -> tuple[int, int]:
-    for future in futures:
-        error = future.exception()
-        if error is not None:
-            failed += 1
-            warn(f"redisq: {type(error).__name__}: {error}")
-        elif future.result().duplicate:
-            duplicates += 1
-    futures.clear()
-    return failed, duplicates
-
-
 # -- consume -------------------------------------------------------------------------------------
+class _ReadInterrupted(Exception):
+    """Raised by the signal handler into a read that blocks (produce from a quiet stdin)."""
+
+
 class StopRequest:
     """SIGINT, SIGTERM and SIGHUP ask for a clean stop (the consumer leaves its group, a
-    temporary group is deleted) instead of killing the process mid-way."""
+    temporary group is deleted; produce flushes what it sent and says so) instead of killing
+    the process mid-way. With interrupt_reads, a signal that lands while next_or_none() waits
+    for input ends that wait (nothing was sent of the line being read), and a second signal
+    stops at once (KeyboardInterrupt)."""
 
-    def __init__(self) -> None:
+    def __init__(self, interrupt_reads: bool = False) -> None:
         self.event = threading.Event()
         self.signal: int | None = None
+        self._interrupt_reads = interrupt_reads
+        self._reading = False
 
     @property
     def requested(self) -> bool:
         return self.event.is_set()
+
+    def next_or_none(self, lines: Iterator[bytes]) -> bytes | None:
+        """The next line, or None at the end of the input or once a stop is requested."""
+        try:
+            self._reading = True
+            if self.requested:
+                return None
+            return next(lines, None)
+        except _ReadInterrupted:
+            return None
+        finally:
+            self._reading = False
 
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
@@ -272,8 +169,13 @@ class StopRequest:
             return
 
         def request(signum: int, frame: object) -> None:
+            if self._interrupt_reads and self.event.is_set():
+                raise KeyboardInterrupt  # asked twice: stop now
             self.signal = signum
             self.event.set()
+            if self._reading:
+                self._reading = False  # raised once, never into the handler of this one
+                raise _ReadInterrupted
 
         signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         previous = {signum: signal.signal(signum, request) for signum in signals}
@@ -378,7 +280,7 @@ def consume(
         count = _consume_group(
             topic, group, name, mode, from_position, max_messages, timeout, formatter, stop
         )
-    warn(f"Processed a total of {count:,} messages")
+    warn(f"Processed a total of {plural(count, 'message')}")
     return OK
 
 
@@ -457,10 +359,10 @@ def _delete_temporary(broker: Any, topic: str, group: str) -> None:
     import redis
 
     from redisq.errors import RedisqError
-    from redisq.group import delete_group, group_exists
+    from redisq.protocol.groups import group_exists
 
     try:
-        if group_exists(broker, topic, group):
-            delete_group(broker, topic, group, force=True)
+        if broker.run(group_exists(broker.keys, topic, group)):
+            broker.delete_group(topic, group, force=True)
     except (RedisqError, redis.RedisError) as exc:
         warn(f"redisq: could not delete the temporary group {group}: {exc}")

@@ -8,7 +8,7 @@ import click
 
 from redisq.cli.common import OK, connect, connection_options, warn
 from redisq.cli.messages import StopRequest
-from redisq.scheduler import Scheduler
+from redisq.schedule.scheduler import Scheduler
 
 
 @click.command("scheduler")

@@ -5,9 +5,20 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import click
+from click.core import ParameterSource
 
-from redisq.cli.common import FAILED, OK, connect, connection_options, print_table, say, warn
+from redisq.cli.common import (
+    FAILED,
+    OK,
+    connect,
+    connection_options,
+    plural,
+    print_table,
+    say,
+    warn,
+)
 from redisq.errors import TopicInUse
+from redisq.model.topic import TopicConfig
 
 
 @click.group("topic")
@@ -34,7 +45,12 @@ def topic() -> None:
     type=click.IntRange(min=1000),
     help="How long message ids are remembered (default: the retention age, else 24 h).",
 )
-@click.option("--exist-ok", is_flag=True, help="An existing topic is not an error.")
+@click.option(
+    "--exist-ok",
+    is_flag=True,
+    help="An existing topic with the same partition count (and the other options given) is not "
+    "an error.",
+)
 @connection_options
 def create(
     name: str,
@@ -54,8 +70,42 @@ def create(
             dedup_window_ms=dedup_window_ms,
             exist_ok=exist_ok,
         )
-    say(f"topic {config.name}: {config.partitions} partitions")
+    if exist_ok:
+        differences = _differences(config, partitions, retention_ms, retention_messages)
+        if differences:
+            warn(
+                f"redisq: TopicExists: topic {name!r} exists with {', '.join(differences)}: "
+                "nothing changed (topic add-partitions grows it)"
+            )
+            return FAILED
+    say(f"topic {config.name}: {plural(config.partitions, 'partition')}")
     return OK
+
+
+def _differences(
+    config: TopicConfig, partitions: int, retention_ms: int, retention_messages: int
+) -> list[str]:
+    """What an existing topic has other than asked: the partition count always, the retention
+    and dedup window when given on the command line (their defaults ask nothing)."""
+    ctx = click.get_current_context()
+    given = {
+        name
+        for name in ("retention_ms", "retention_messages", "dedup_window_ms")
+        if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
+    }
+    differences = []
+    if config.partitions != partitions:
+        differences.append(f"{plural(config.partitions, 'partition')}, not {partitions}")
+    if "retention_ms" in given and config.retention_ms != retention_ms:
+        differences.append(f"retention_ms={config.retention_ms}, not {retention_ms}")
+    if "retention_messages" in given and config.retention_messages != retention_messages:
+        differences.append(
+            f"retention_messages={config.retention_messages}, not {retention_messages}"
+        )
+    dedup = ctx.params["dedup_window_ms"]
+    if "dedup_window_ms" in given and config.dedup_window_ms != dedup:
+        differences.append(f"dedup_window_ms={config.dedup_window_ms}, not {dedup}")
+    return differences
 
 
 @topic.command("describe")
@@ -69,7 +119,7 @@ def describe(name: str) -> int:
         cluster = broker.is_cluster
     c = description.config
     say(
-        f"topic {c.name} (id {c.topic_id}): {c.partitions} partitions, "
+        f"topic {c.name} (id {c.topic_id}): {plural(c.partitions, 'partition')}, "
         f"retention_ms={c.retention_ms or 'none'}, "
         f"retention_messages={c.retention_messages or 'none'}, "
         f"dedup_window_ms={c.dedup_window_ms}, {description.total_messages:,} messages, "
@@ -117,7 +167,10 @@ def add_partitions(name: str, partitions: int) -> int:
     """Grow topic NAME to --partitions partitions (keys then route differently)."""
     with connect() as broker:
         config = broker.add_partitions(name, partitions)
-    say(f"topic {config.name}: {config.partitions} partitions (keys now route differently)")
+    say(
+        f"topic {config.name}: {plural(config.partitions, 'partition')} "
+        "(keys now route differently)"
+    )
     return OK
 
 
@@ -128,7 +181,7 @@ def trim(name: str) -> int:
     """Apply topic NAME's retention to every partition now."""
     with connect() as broker:
         removed = broker.trim(name)
-    say(f"topic {name}: {removed:,} entries past retention removed")
+    say(f"topic {name}: {plural(removed, 'entry', 'entries')} past retention removed")
     return OK
 
 

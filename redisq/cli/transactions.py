@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from redisq.cli.common import OK, age, connect, connection_options, print_table, say
-from redisq.keys import unresolved_topic
+from redisq.model.keys import unresolved_topic
 
 
 @click.group("transactions")
@@ -29,11 +29,16 @@ def list_transactions(limit: int) -> int:
         infos = broker.list_transactions(limit)
     rows = [
         (
-            i.transaction_id, i.state, i.producer, i.group or "-", i.batches, age(i.age_ms),
+            i.transaction_id,
+            i.state,
+            i.producer,
+            i.group or "-",
+            i.batches,
+            age(i.age_ms),
             i.checks if i.group else "-",
         )
         for i in infos
-    ]  # fmt: skip
+    ]
     print_table(rows, ["transaction", "state", "producer", "group", "batches", "age", "checks"])
     say(f"{len(infos)} transactions")
     return OK

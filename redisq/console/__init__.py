@@ -1,18 +1,20 @@
 """`redisq console`: a web console over one namespace (pip install 'redisq-broker[console]').
 
 Server-rendered pages (Starlette + Jinja2, served by uvicorn) for topics, messages, consumer
-groups, dead letters, producers, and transactions & schedules, with live numbers, test produce,
-dead-letter replay and release, offset reset, sweeping transactions, and Prometheus metrics at
-/metrics (redisq.metrics).
+groups, dead letters, producers, and transactions & schedules, with live numbers, charts whose
+history is kept in Redis (history.py), a search across partitions (search.py), a live tail
+(tail.py), topic create / grow / delete (admin.py), test produce, dead-letter replay and
+release, offset reset, sweeping transactions, and Prometheus metrics at /metrics
+(redisq.metrics).
 
 Safety: it binds to 127.0.0.1 by default; any other address needs a token or basic auth
-(refused otherwise). --read-only shows no action and refuses every POST. Actions are POSTs
-checked for CSRF. No password from the url appears on a page or in a log.
+(refused otherwise). --read-only shows no action, refuses every POST and writes nothing.
+Actions are POSTs checked for CSRF. No password from the url appears on a page or in a log.
 
 Embedding: `create_app(broker, ...)` returns the ASGI application; `serve(...)` runs it;
 `main(argv)` is the command line (`redisq console`). Nothing here imports the web stack until
 it is used: `import redisq.console` works without the extra, and the library never imports
-this package (redisq.metrics reads through redisq.inspect).
+this package (redisq.metrics reads through redisq.protocol.overview).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def serve(
     """Run the console until interrupted: url (else REDIS_URL, else the embedded server),
     namespace, where to listen, credentials (required beyond loopback), read-only."""
     import redisq
-    from redisq.connection import redact_url, resolve_url
+    from redisq.server.connection import redact_url, resolve_url
 
     check_exposure(host, token, basic_auth)
     try:
@@ -217,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"redisq console: {exc}", file=sys.stderr)
         return 2
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # the server is down
-        from redisq.connection import redact_url
+        from redisq.server.connection import redact_url
 
         shown = redact_url(args.url) if args.url else "REDIS_URL / the embedded server"
         print(f"redisq console: cannot reach {shown}: {type(exc).__name__}", file=sys.stderr)

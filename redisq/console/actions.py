@@ -1,6 +1,6 @@
 """What the console's buttons do, each through the library call the CLI uses, so a button and
 a command can never disagree: test produce (an ordinary idempotent producer), dead-letter replay
-and release (redisq.deadletter), offset reset (redisq.group.reset_offsets: refused with
+and release (redisq.consume.deadletter), offset reset (Broker.reset_offsets: refused with
 GroupInUse while the group has live members or a held lease, as the CLI refuses it).
 """
 
@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from redisq.deadletter import release_key, replay_dead_letters, require_dead_letters
+from redisq.consume.deadletter import release_key, replay_dead_letters, require_dead_letters
 from redisq.errors import GroupNotFound, InvalidConfig
-from redisq.group import OffsetReset, reset_offsets
-from redisq.group_admin import group_exists
-from redisq.records import RecordMetadata
+from redisq.model.groups import OffsetReset
+from redisq.model.records import RecordMetadata
+from redisq.protocol.groups import group_exists
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
-    from redisq.producer import Producer
+    from redisq.produce.producer import Producer
 
 log = logging.getLogger("redisq.console")
 
@@ -100,7 +100,7 @@ def release(broker: Broker, topic: str, group: str, key: str) -> int:
     if not key:
         raise InvalidConfig("release needs the parked key")
     broker.topic_config(topic, refresh=True)
-    if not group_exists(broker, topic, group):
+    if not broker.run(group_exists(broker.keys, topic, group)):
         raise GroupNotFound(topic, group)
     return release_key(broker, topic, group, key.encode())
 
@@ -138,8 +138,7 @@ def reset(broker: Broker, topic: str, group: str, request: ResetRequest) -> list
             options["shift_by"] = int(value)
         except ValueError:
             raise InvalidConfig(f"shift by {value!r}: an integer (+N skips, -N re-reads)") from None
-    return reset_offsets(
-        broker,
+    return broker.reset_offsets(
         topic,
         group,
         partitions=request.partitions,

@@ -2,7 +2,7 @@
 everything. The pages and actions are in pages.py, what they share (rendering, notices, errors
 as pages) in context.py.
 
-Each page is one function that reads through the batched operations (redisq.inspect,
+Each page is one function that reads through the batched operations (redisq.protocol.overview,
 producers.py, browse.py, schedules.py) in a worker thread (redis-py is synchronous) and renders
 a template. A page's live block is the same template block rendered alone
 (``?fragment=live``), which the page's script fetches every few seconds: numbers refresh without
@@ -24,6 +24,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from redisq.console.admin import create_topic_action, delete_topic_action, grow_topic_action
 from redisq.console.context import HERE, Console
 from redisq.console.pages import (
     dead_letters_page,
@@ -38,7 +39,10 @@ from redisq.console.pages import (
     release_action,
     replay_action,
     reset_action,
+    search_page,
     sweep_action,
+    tail_next_page,
+    tail_page,
     topic_page,
     topic_producers_page,
     transactions_page,
@@ -117,8 +121,14 @@ def build_app(console: Console, credentials: Credentials, *, secret: bytes | Non
         Route("/metrics", page(metrics_page)),
         Route("/login", page(login_page)),
         Route("/favicon.ico", lambda request: Response(status_code=204)),
+        Route("/topics/create", action(create_topic_action), methods=["POST"]),
         Route("/topics/{topic}", page(topic_page)),
+        Route("/topics/{topic}/partitions", action(grow_topic_action), methods=["POST"]),
+        Route("/topics/{topic}/delete", action(delete_topic_action), methods=["POST"]),
         Route("/topics/{topic}/messages", page(messages_page)),
+        Route("/topics/{topic}/search", page(search_page)),
+        Route("/topics/{topic}/tail", page(tail_page)),
+        Route("/topics/{topic}/tail/next", page(tail_next_page)),
         Route("/topics/{topic}/producers", page(topic_producers_page)),
         Route("/topics/{topic}/groups/{group}", page(group_page)),
         Route("/topics/{topic}/groups/{group}/deadletters", page(dead_letters_page)),

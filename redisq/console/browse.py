@@ -1,7 +1,8 @@
 """Reading messages for the console: a partition by offset or time range, a message by its id or
 its key, and a value shown as text, JSON or hex.
 
-Everything decodes through `redisq.records.decode_entries`, the one entry decoder, so the console
+Everything decodes through `redisq.model.records.decode_entries`, the one entry decoder, so the
+console
 shows exactly what a consumer would get (a foreign entry as a MalformedMessage with its reason).
 
 Searches are bounded: a key is looked for in the partition the default partitioner sends it to
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from redisq.errors import InvalidConfig, read_reply
-from redisq.partitioner import partition_for_key
+from redisq.model.offsets import offset_before, offset_parts
+from redisq.model.partitioner import partition_for_key
+from redisq.model.records import Message, decode_entries
 from redisq.protocol import Command, Operation, run_operation, text
-from redisq.records import Message, decode_entries, offset_before, offset_parts
 
 if TYPE_CHECKING:
     from redisq.broker import Broker

@@ -8,12 +8,20 @@ from html import escape
 
 from markupsafe import Markup
 
-Point = tuple[float, float]
+Point = tuple[float, float | None]  # a None value breaks the line (no samples there)
 
 PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-)  # fmt: skip
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 MAX_SERIES = 11  # "total" and ten partitions; more would be unreadable
 
 
@@ -25,6 +33,22 @@ def _number(value: float) -> str:
     if value >= 100 or value == int(value):
         return f"{value:.0f}"
     return f"{value:.1f}"
+
+
+def _segments(points: list[Point]) -> list[list[tuple[float, float]]]:
+    """The runs of points between breaks (None values)."""
+    runs: list[list[tuple[float, float]]] = [[]]
+    for t, v in points:
+        if v is None:
+            if runs[-1]:
+                runs.append([])
+        else:
+            runs[-1].append((t, v))
+    return [run for run in runs if run]
+
+
+def _drawn(points: list[Point]) -> int:
+    return sum(1 for _, v in points if v is not None)
 
 
 def _clock(at: float) -> str:
@@ -40,17 +64,18 @@ def line_chart(
     height: int = 180,
 ) -> Markup:
     """One SVG with a line per series (the first drawn thicker), a y axis from 0 to the max,
-    the time span on the x axis, and a legend. Fewer than two points: a note instead."""
-    shown = {name: pts for name, pts in list(series.items())[:MAX_SERIES] if len(pts) >= 2}
+    the time span on the x axis, and a legend. A None value breaks a line: time without
+    samples is never bridged. Fewer than two points: a note instead."""
+    shown = {name: pts for name, pts in list(series.items())[:MAX_SERIES] if _drawn(pts) >= 2}
     label = escape(title)
     if not shown:
         return Markup(
             f'<div class="chart-empty" role="img" aria-label="{label}">{label}: collecting '
-            "samples (the chart starts when the console starts)…</div>"
+            "samples…</div>"
         )
     left, right, top, bottom = 48, 10, 18, 22
     xs = [t for pts in shown.values() for t, _ in pts]
-    ys = [v for pts in shown.values() for _, v in pts]
+    ys = [v for pts in shown.values() for _, v in pts if v is not None]
     x0, x1 = min(xs), max(xs)
     y1 = max(max(ys), 1.0)
     span_x = max(x1 - x0, 1e-9)
@@ -78,12 +103,22 @@ def line_chart(
     legend_x = left + 7 * (len(title) + len(unit)) + 40
     for i, (name, pts) in enumerate(shown.items()):
         color = PALETTE[i % len(PALETTE)]
-        path = " ".join(f"{px(t):.1f},{py(v):.1f}" for t, v in pts)
         stroke = 2.5 if i == 0 else 1.2
-        parts.append(
-            f'<polyline fill="none" stroke="{color}" stroke-width="{stroke}" points="{path}">'
-            f"<title>{escape(name)}: {_number(pts[-1][1])}</title></polyline>"
-        )
+        last = [v for _, v in pts if v is not None][-1]
+        tip = f"<title>{escape(name)}: {_number(last)}</title>"
+        for run in _segments(pts):
+            if len(run) == 1:  # a lone sample between breaks: a dot
+                ((t, v),) = run
+                parts.append(
+                    f'<circle cx="{px(t):.1f}" cy="{py(v):.1f}" r="{stroke}" fill="{color}">'
+                    f"{tip}</circle>"
+                )
+                continue
+            path = " ".join(f"{px(t):.1f},{py(v):.1f}" for t, v in run)
+            parts.append(
+                f'<polyline fill="none" stroke="{color}" stroke-width="{stroke}" '
+                f'points="{path}">{tip}</polyline>'
+            )
         parts.append(
             f'<text x="{legend_x}" y="12" fill="{color}" class="legend">{escape(name)}</text>'
         )
@@ -95,18 +130,20 @@ def line_chart(
 def sparkline(
     points: list[Point], *, width: int = 120, height: int = 24, label: str = ""
 ) -> Markup:
-    """A small line without axes, for tables."""
-    if len(points) < 2:
+    """A small line without axes, for tables (broken where samples are missing)."""
+    if _drawn(points) < 2:
         return Markup('<span class="muted">…</span>')
     xs = [t for t, _ in points]
-    top = max(max(v for _, v in points), 1.0)
+    top = max(max(v for _, v in points if v is not None), 1.0)
     span = max(xs[-1] - xs[0], 1e-9)
-    path = " ".join(
-        f"{(t - xs[0]) / span * (width - 2) + 1:.1f},{height - 1 - v / top * (height - 2):.1f}"
-        for t, v in points
-    )
+    lines = []
+    for run in _segments(points):
+        path = " ".join(
+            f"{(t - xs[0]) / span * (width - 2) + 1:.1f},{height - 1 - v / top * (height - 2):.1f}"
+            for t, v in run
+        )
+        lines.append(f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{path}"/>')
     return Markup(
         f'<svg class="spark" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-        f'role="img" aria-label="{escape(label)}"><polyline fill="none" stroke="#1f77b4" '
-        f'stroke-width="1.5" points="{path}"/></svg>'
+        f'role="img" aria-label="{escape(label)}">{"".join(lines)}</svg>'
     )

@@ -24,13 +24,20 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from redisq.connection import redact_url
 from redisq.console.actions import Producers
 from redisq.console.browse import preview
-from redisq.console.history import History, Sampler
-from redisq.errors import GroupNotFound, ReadFailed, RedisqError, TopicInUse, TopicNotFound
-from redisq.inspect import NamespaceSnapshot, namespace_snapshot
+from redisq.console.history import ChartStore, History, Sampler
+from redisq.errors import (
+    GroupNotFound,
+    ReadFailed,
+    RedisqError,
+    TopicExists,
+    TopicInUse,
+    TopicNotFound,
+)
 from redisq.protocol import Operation, run_operation
+from redisq.protocol.overview import NamespaceSnapshot, namespace_snapshot
+from redisq.server.connection import redact_url
 
 log = logging.getLogger("redisq.console")
 
@@ -64,7 +71,9 @@ class Console:
         self._secret_parts = _secret_parts(url)
         self.read_only = read_only
         self.refresh_ms = refresh_ms
-        self.history = History()
+        self.history = History(
+            store=ChartStore(broker, write=not read_only), interval_s=sample_interval_s
+        )
         self.sampler = Sampler(self.history, self.snapshot, sample_interval_s)
         self.producers = Producers(broker)
         self._notices: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -171,7 +180,7 @@ class Console:
             return 503 if unreachable else 502, title, self.scrub(str(exc))
         if isinstance(exc, TopicNotFound | GroupNotFound):
             return 404, "Not found", self.scrub(str(exc))
-        if isinstance(exc, TopicInUse):
+        if isinstance(exc, TopicInUse | TopicExists):
             return 409, "Refused", self.scrub(str(exc))
         if isinstance(exc, RedisqError | ValueError | TypeError):
             return 400, "Cannot do that", self.scrub(f"{type(exc).__name__}: {exc}")

@@ -33,12 +33,14 @@ from redisq.console.browse import (
 from redisq.console.charts import line_chart, sparkline
 from redisq.console.context import Console
 from redisq.console.producers import dedup_buckets, named_producers, topic_producers
-from redisq.errors import read_reply
-from redisq.group import assign_partitions
-from redisq.inspect import group_snapshot, topic_snapshot
+from redisq.console.search import MAX_COUNT, SCAN_LIMIT, by_key, by_message_id, by_time
+from redisq.console.tail import read_tail, start_cursor
+from redisq.consume.ownership import assign_partitions
+from redisq.errors import InvalidConfig, read_reply
 from redisq.protocol import Command, Operation, text
-from redisq.transaction_admin import sweep_now
-from redisq.waiting import (
+from redisq.protocol.overview import group_snapshot, topic_snapshot
+from redisq.protocol.transaction_admin import sweep_now
+from redisq.protocol.waiting import (
     scheduled_messages,
     schedules,
     transactions_snapshot,
@@ -49,6 +51,10 @@ from redisq.waiting import (
 TRANSACTIONS_SHOWN = 500
 SCHEDULED_SHOWN = 50
 UNRESOLVED_SHOWN = 50
+# The live tail: how often the page polls, how many messages it keeps, when it stops polling.
+TAIL_INTERVAL_MS = 1000
+TAIL_KEEP = 200
+TAIL_MAX_MINUTES = 15
 
 
 def form_value(form: list[tuple[str, str]], name: str, default: str = "") -> str:
@@ -64,6 +70,7 @@ def overview(console: Console, request: Request) -> Response:
     user = [t for t in snapshot.topics.values() if t.dead_letter_of is None]
     dead = [t for t in snapshot.topics.values() if t.dead_letter_of is not None]
     rates = {name: console.history.throughput(name) for name in snapshot.topics}
+    current = {name: console.history.current_rate(name) for name in snapshot.topics}
     return console.render(
         request,
         "overview.html",
@@ -73,6 +80,7 @@ def overview(console: Console, request: Request) -> Response:
             "topics": user,
             "dead_letter_topics": dead,
             "rates": rates,
+            "current": current,
             "spark": sparkline,
         },
     )
@@ -145,6 +153,77 @@ def messages_page(console: Console, request: Request) -> Response:
             ),
         },
     )
+
+
+def search_page(console: Console, request: Request) -> Response:
+    """Search every partition by key, message id or time (search.py), bounded."""
+    name = request.path_params["topic"]
+    config = console.broker.topic_config(name, refresh=True)
+    q = request.query_params
+    view = q.get("view", "text") if q.get("view") in VIEWS else "text"
+    by = q.get("by", "key") if q.get("by") in ("key", "id", "time") else "key"
+    raw_limit = (q.get("limit") or "100").strip()
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_COUNT:
+        raise InvalidConfig(f"limit {raw_limit!r}: a whole number 1..{MAX_COUNT}")
+    limit = int(raw_limit)
+    wanted = q.get("q", "")
+    result = None
+    if by == "time" and (q.get("since") or q.get("until")):
+        result = by_time(console.broker, name, q.get("since"), q.get("until"), limit=limit)
+    elif by == "time" and "by" in q:
+        raise InvalidConfig("a search by time needs since, until or both")
+    elif by == "key" and wanted:
+        result = by_key(
+            console.broker,
+            name,
+            wanted.encode(),
+            since=q.get("since"),
+            until=q.get("until"),
+            limit=limit,
+        )
+    elif by == "id" and wanted:
+        result = by_message_id(console.broker, name, wanted.encode())
+    rendered = [(m, render_value(m.value, view)) for m in result.messages] if result else []
+    return console.render(
+        request,
+        "search.html",
+        {
+            "active": "topics",
+            "config": config,
+            "q": q,
+            "by": by,
+            "view": view,
+            "limit": limit,
+            "result": result,
+            "rendered": rendered,
+            "scan_limit": SCAN_LIMIT,
+        },
+    )
+
+
+def tail_page(console: Console, request: Request) -> Response:
+    name = request.path_params["topic"]
+    config = console.broker.topic_config(name, refresh=True)
+    return console.render(
+        request,
+        "tail.html",
+        {
+            "active": "topics",
+            "config": config,
+            "cursor": start_cursor(console.broker, name),
+            "interval_ms": TAIL_INTERVAL_MS,
+            "keep": TAIL_KEEP,
+            "max_minutes": TAIL_MAX_MINUTES,
+        },
+    )
+
+
+def tail_next_page(console: Console, request: Request) -> Response:
+    """One poll of the live tail: the messages after the cursor, as HTML to insert."""
+    name = request.path_params["topic"]
+    batch = read_tail(console.broker, name, request.query_params.get("cursor", ""))
+    rendered = [(m, render_value(m.value, "text")) for m in batch.messages]
+    return console.render(request, "tail_batch.html", {"batch": batch, "rendered": rendered})
 
 
 def _pending_entries(
@@ -224,7 +303,7 @@ def _parked_keys(
 
 
 def dead_letters_page(console: Console, request: Request) -> Response:
-    from redisq.deadletter import list_dead_letters
+    from redisq.consume.deadletter import list_dead_letters
 
     topic, group = request.path_params["topic"], request.path_params["group"]
     snapshot = console.run(group_snapshot(console.broker.keys, topic, group))

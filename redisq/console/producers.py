@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from redisq.admin import fields, server_ms
 from redisq.errors import read_reply
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
 from redisq.protocol import Command, Operation, Step, run_operation, text
 from redisq.protocol.produce import named_producer_id
+from redisq.protocol.topics import fields, server_ms
 
 if TYPE_CHECKING:
     from redisq.broker import Broker

@@ -166,9 +166,12 @@ class Guard:
             )
         finally:
             log.info(
-                "%s %s %d %.0f ms", method, path, status["code"],
+                "%s %s %d %.0f ms",
+                method,
+                path,
+                status["code"],
                 (time.perf_counter() - started) * 1000,
-            )  # fmt: skip
+            )
 
     async def _guarded(
         self,
@@ -201,8 +204,13 @@ class Guard:
                 await self._unauthorized(scope, send)
                 return
             new_cookies.append(_cookie(SESSION_COOKIE, self.session_value(), scope))
-            rest = urlencode([(k, v) for k, v in parse_qsl(
-                scope.get("query_string", b"").decode("latin-1")) if k != "token"])  # fmt: skip
+            rest = urlencode(
+                [
+                    (k, v)
+                    for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+                    if k != "token"
+                ]
+            )
             # The same address, encoded again (scope["path"] is decoded: "%3F" is "?" there),
             # and never "//host", which a browser reads as another site.
             here = "/" + quote(path).lstrip("/")

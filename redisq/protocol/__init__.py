@@ -43,6 +43,9 @@ class ScriptCall(Generic[T]):
     topic: str = "?"
     body: bytes = b""
     body_count: int = 0
+    # Safe to send again after a lost connection, whether or not it ran (see
+    # redisq.server.scripts_async): every script whose second run answers as its first did.
+    retry_safe: bool = True
 
 
 @dataclass(slots=True)
@@ -62,12 +65,25 @@ class Command(Generic[T]):
     args: tuple[Any, ...]
     decode: Callable[[Any], T] = _identity
     nodes: str = "one"
+    retry_safe: bool = True  # see ScriptCall.retry_safe
 
 
 Step = ScriptCall[Any] | Command[Any]
 # A step, or a list of steps sent together (pipelined); a list's result is the list of results,
 # with an exception object in place of a failed step's result.
 Steps = Step | list[Step]
+
+
+class Atomic(list[Step]):
+    """Steps that take effect together: one MULTI/EXEC on a single server, so no other client
+    sees part of them (a reader meets all of a transaction's roll-forward or none); on a Cluster,
+    where their keys live on several nodes, one at a time in order, a step whose first key a
+    failed step had is not sent (that failure is its result). The result is the list of
+    results, as for a list."""
+
+    __slots__ = ()
+
+
 Operation = Generator[Steps, Any, T]
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
+from redisq.model.topic import TopicConfig
 from redisq.protocol import ScriptCall, text
-from redisq.topic import TopicConfig
 
 # The metadata hash's fields, in the order create_topic writes them.
 TOPIC_FIELDS = (
@@ -38,18 +38,28 @@ def create_topic(keys: KeySpace, config: TopicConfig) -> ScriptCall[Any]:
         (keys.topics(), keys.topic_meta(config.name)),
         (config.name, *fields),
         topic=config.name,
+        retry_safe=False,  # a second run answers TopicExists
     )
 
 
 def grow_topic(keys: KeySpace, topic: str, partitions: int) -> ScriptCall[int]:
     """grow_topic.lua: raise the partition count (the new streams exist before it); returns the
     previous count. Error PARTITIONS_NOT_GREATER when grown concurrently."""
-    return ScriptCall("grow_topic", (keys.topic_meta(topic),), (partitions,), int, topic)
+    return ScriptCall(  # a second run answers PARTITIONS_NOT_GREATER
+        "grow_topic", (keys.topic_meta(topic),), (partitions,), int, topic, retry_safe=False
+    )
 
 
 def delete_topic(keys: KeySpace, topic: str) -> ScriptCall[int]:
     """delete_topic.lua: remove the metadata; returns the partition count it had."""
-    return ScriptCall("delete_topic", (keys.topics(), keys.topic_meta(topic)), (topic,), int, topic)
+    return ScriptCall(  # a second run answers TopicNotFound
+        "delete_topic",
+        (keys.topics(), keys.topic_meta(topic)),
+        (topic,),
+        int,
+        topic,
+        retry_safe=False,
+    )
 
 
 def _count_reply(reply: Any) -> tuple[int, str]:

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
+from redisq.model.offsets import offset_after
 from redisq.protocol import ScriptCall, text
-from redisq.records import offset_after
 
 MAX_IDS_PER_CALL = 1000  # entry ids per script call: Lua's unpack() has a stack limit
 

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
+from redisq.model.topic import TopicConfig
 from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.resp import bulk_header
-from redisq.topic import TopicConfig
 
 MODES = ("sequence", "message_id", None)
 REGISTRY_TTL_MS = 7 * 24 * 3600 * 1000
@@ -294,10 +294,11 @@ def ack_barrier(anchor: str) -> ScriptCall[Any]:
 
 def ack_wait(acks: str, min_replicas: int, ack_timeout_ms: int) -> Command[Any]:
     """WAIT (acks="replicas") or WAITAOF (acks="fsync") after each node's own writes of a
-    transport round (redisq.transport.StepRound)."""
+    transport round (redisq.server.transport.StepRound)."""
     if acks == "replicas":
-        return Command(("WAIT", min_replicas, ack_timeout_ms), nodes="written")
-    return Command(("WAITAOF", 1, 0, ack_timeout_ms), nodes="written")
+        # Not again on another connection: it would confirm nothing written there.
+        return Command(("WAIT", min_replicas, ack_timeout_ms), nodes="written", retry_safe=False)
+    return Command(("WAITAOF", 1, 0, ack_timeout_ms), nodes="written", retry_safe=False)
 
 
 def replicated(anchors: list[str], acks: str, min_replicas: int, ack_timeout_ms: int) -> list[Step]:

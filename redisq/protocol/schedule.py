@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
 from redisq.protocol import ScriptCall, text
 from redisq.protocol.produce import ProducerIdentity
 

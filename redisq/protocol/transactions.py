@@ -4,15 +4,19 @@ the input positions a consume-transform-produce transaction carries (tx_hold, tx
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisq.keys import KeySpace
+from redisq.model.keys import KeySpace
+from redisq.model.records import decode_headers
+from redisq.model.topic import TopicConfig
+from redisq.model.transactions import TxMessage
 from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.group import Commit, Lease, parked_and_held, record_args
-from redisq.protocol.produce import BatchResult
+from redisq.protocol.produce import BatchResult, ProducerIdentity
 from redisq.protocol.resp import decode_bulks
-from redisq.topic import TopicConfig
+from redisq.settings import ProducerSettings
 
 STATES = ("open", "committed", "aborted", "unresolved")
 # A decided transaction's record stays this long after it was carried out, so a late call of a
@@ -69,6 +73,7 @@ class TxRecord:
     deadline_ms: int
     checks: int
     positions: list[InputPosition]
+    decided_ms: int = 0  # when the decision was stored (server clock); 0 while open
 
     @classmethod
     def from_hash(cls, tx_id: str, raw: dict[str, Any]) -> TxRecord:
@@ -87,6 +92,7 @@ class TxRecord:
             deadline_ms=int(get("deadline_ms", "0")),
             checks=int(get("checks", "0")),
             positions=decode_positions(raw.get("positions")),
+            decided_ms=int(get("decided_ms", "0")),
         )
 
 
@@ -212,7 +218,7 @@ def claim_check(keys: KeySpace, group: str, tx_id: str, interval_ms: int) -> Scr
 def count_check(keys: KeySpace, tx_id: str) -> Command[int]:
     """One more check-back answered UNKNOWN (or failed), after claim_check took its round; the
     number so far."""
-    return Command(("HINCRBY", keys.transaction(tx_id), "checks", 1), int)
+    return Command(("HINCRBY", keys.transaction(tx_id), "checks", 1), int, retry_safe=False)
 
 
 def stage(
@@ -233,11 +239,17 @@ def stage(
         "tx_stage",
         (keys.transaction(tx_id), keys.transaction_messages(tx_id)),
         (
-            producer_id, epoch, timeout_ms, group or "", batch.serialize(), index, name or "",
+            producer_id,
+            epoch,
+            timeout_ms,
+            group or "",
+            batch.serialize(),
+            index,
+            name or "",
             expire_ms,
         ),
         int,
-    )  # fmt: skip
+    )
 
 
 def decide(
@@ -380,3 +392,66 @@ def barrier_keys(
     found += [keys.log(b.topic, b.partition) for b in batches]
     found += [keys.log(p.topic, p.partition) for p in positions]
     return list(dict.fromkeys(found))
+
+
+def messages_of(batches: Iterable[StagedBatch]) -> list[TxMessage]:
+    result = []
+    for batch in batches:
+        for parts in batch.messages():
+            result.append(
+                TxMessage(
+                    batch.topic,
+                    batch.partition,
+                    parts.get("k") or None,
+                    parts["v"],
+                    decode_headers(parts.get("h") or None),
+                    parts.get("m") or None,
+                )
+            )
+    return result
+
+
+@dataclass(slots=True)
+class Writer:
+    """Who writes a transaction: the producer's id, name, epoch, and its transaction options."""
+
+    producer_id: int
+    name: str | None
+    epoch: int
+    timeout_ms: int
+    group: str | None = None
+    first_check_ms: int | None = None
+    exclusive: bool = False  # Kafka style: the name's one open transaction
+    # when an undecided transaction's keys expire: past its timeout (or its last check-back)
+    # with an hour to spare for the sweeper
+    expire_ms: int = 3_600_000
+
+    @classmethod
+    def of(cls, settings: ProducerSettings, identity: ProducerIdentity) -> Writer:
+        """The writer of a producer's transactions, from its settings and current identity."""
+        group = settings.transactional_group
+        return cls(
+            producer_id=identity.producer_id,
+            name=identity.name,
+            epoch=identity.epoch,
+            timeout_ms=settings.transaction_timeout_ms,
+            group=group,
+            first_check_ms=settings.check_first_ms if group else None,
+            exclusive=settings.transactional,
+            expire_ms=expire_ms(settings),
+        )
+
+
+# An undecided half message's keys live this long past the time its last check-back is due (set
+# when it is staged), for a member of its group to come back and ask `check` (RocketMQ keeps its
+# half topic's messages for the retention, 72 h by default).
+HALF_KEEP_MS = 72 * 3600 * 1000
+
+
+def expire_ms(settings: ProducerSettings) -> int:
+    """How long an undecided transaction's keys live: past its timeout, with an hour to spare
+    for a sweeper to come by; a half message: past its last check-back, by HALF_KEEP_MS."""
+    if settings.transactional_group is not None:
+        checks = settings.check_first_ms + settings.check_interval_ms * settings.max_checks
+        return max(settings.transaction_timeout_ms, checks) + HALF_KEEP_MS
+    return settings.transaction_timeout_ms + 3_600_000

@@ -1,0 +1,499 @@
+# WARNING: generated from partition_io_async.py by tools/async_to_sync.py; do not edit.
+# Change partition_io_async.py and run `python tools/async_to_sync.py`.
+"""The Redis calls of a consumer's partitions (`PartitionIO`; the thread API's
+`PartitionIO` is generated from this module by tools/async_to_sync.py).
+
+One method, one Redis idea: a fenced range read (MULTI GET lease / XRANGE / EXEC on the
+partition's node), XREAD BLOCK to wait for new entries, the commit (commit_position.lua), the
+group's Redis consumer group for concurrent mode (XREADGROUP, XACK, XAUTOCLAIM), the
+dead-letter copy, and poll()'s screening of a read (malformed entries go to the policy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+from redisq.consume.dispatch import OrderlyPartition
+from redisq.consume.letters import DeadLetterWriter
+from redisq.consume.malformed import MalformedLog
+from redisq.consume.ownership import TopicPartition
+from redisq.consume.policies import Backoff, DeadLetter, FailurePolicy, make_policy
+from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
+from redisq.model.keys import KeySpace
+from redisq.model.offsets import offset_parts
+from redisq.model.records import MalformedMessage, Message, decode_entries
+from redisq.model.stats import ConsumerStats
+from redisq.protocol import group as calls
+from redisq.protocol.group import Commit, Lease
+from redisq.protocol.redirect import REDIRECT_BUDGET_S, asking_batch, asking_replies, redirection
+from redisq.runtime import Guard, sleep
+from redisq.server.connection import exchange, is_cluster
+from redisq.settings import ConsumerSettings
+
+if TYPE_CHECKING:
+    from redisq.server.handle import BrokerHandle as Broker
+
+log = logging.getLogger("redisq.consumer")
+
+
+def deserializer(spec: Callable[[bytes], Any] | str | None) -> Callable[[bytes], Any] | None:
+    """A key/value deserializer from its option: "json", "str", a callable, or None."""
+    if spec == "json":
+        return json.loads
+    if spec == "str":
+        return lambda raw: raw.decode()
+    return spec if callable(spec) else None
+
+
+class PartitionIO:
+    """The Redis calls of one consumer's partitions."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        group: str,
+        member: str,
+        settings: ConsumerSettings,
+        policy: FailurePolicy | None = None,
+    ) -> None:
+        self.broker = broker
+        self.group = group
+        self.member = member
+        self.settings = settings
+        self.policy = policy or make_policy(
+            settings.failure_policy,
+            settings.max_attempts,
+            Backoff(settings.retry_backoff_ms, settings.max_retry_backoff_ms),
+        )
+        self._keys = broker.keys
+        self._scripts = broker.scripts
+        self._client = broker.client
+        self._cluster = is_cluster(broker.client)
+        self._writers: dict[str, DeadLetterWriter] = {}
+        self._guard = Guard()
+        self._last_claim: dict[TopicPartition, float] = {}
+        self.malformed_log = MalformedLog(member)
+
+    # -- a pooled connection on the partition's node ---------------------------------------------
+    def _exchange(
+        self, key: str, commands: list[tuple[Any, ...]], *, follow: bool = True
+    ) -> list[Any]:
+        """Send commands in one write on a pooled connection of the node serving `key` and read
+        their raw replies (redisq.server.connection.exchange). On a cluster, a batch that
+        met a redirection (ASK, MOVED, TRYAGAIN, CLUSTERDOWN: it did not run) is sent again as
+        protocol.redirect says, within its budget; follow=False for a batch that may have run
+        in part (commit_then_wait sorts that out itself)."""
+        if not self._cluster:
+            return exchange(self._client, None, commands)
+        client = self._client
+        node = client.get_node_from_key(key)
+        batch, asked, attempt = commands, False, 0
+        deadline = time.monotonic() + REDIRECT_BUDGET_S
+        while True:
+            replies = exchange(client, node, batch)
+            if asked:
+                replies = asking_replies(commands, replies)
+            found = redirection(replies) if follow else None
+            if found is None or time.monotonic() >= deadline:
+                return replies
+            attempt += 1
+            sleep(found.delay(attempt))
+            if found.kind == "MOVED":  # handed over: the slot map is refreshed
+                client.nodes_manager.initialize()
+                node, batch, asked = client.get_node_from_key(key), commands, False
+            elif found.kind == "ASK":
+                named = client.get_node(host=found.host, port=found.port)
+                if named is None:  # a node the client does not know yet
+                    client.nodes_manager.initialize()
+                    named = client.get_node(host=found.host, port=found.port)
+                    if named is None:
+                        return replies
+                node, batch, asked = named, asking_batch(commands), True
+
+    # -- orderly: reading by range, committing ---------------------------------------------------
+    def read_range(self, reader: OrderlyPartition, count: int) -> list[Any]:
+        """The next entries after the reader's position (raw, for decode_entries), with the lease
+        value that stood when they were read: LeaseLost (nothing returned) unless it is the
+        reader's."""
+        lease = reader.lease
+        start, inclusive = reader.next_range()
+        commands = calls.fenced_range_commands(self._keys, lease, start, count, inclusive=inclusive)
+        replies = self._exchange(commands[1][1], commands)
+        return self.fenced(lease, replies, calls.range_read_reply)
+
+    def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
+        """read_range for a reader that has caught up: waits up to block_ms for entries after
+        its position and returns them with the lease checked after they were read
+        (calls.fenced_wait_commands), in one round trip; [] when nothing came."""
+        lease = reader.lease
+        after = reader.wait_after()  # the position, or the ID before it after a seek
+        commands = calls.fenced_wait_commands(self._keys, lease, after, count, block_ms)
+        return self.waited(lease, self._exchange(commands[1][1], commands))
+
+    def commit_then_wait(
+        self, reader: OrderlyPartition, commit: Commit, count: int, block_ms: int
+    ) -> tuple[bool, list[Any]]:
+        """commit, then read_waiting's commands, in one write (commit_position.lua runs before
+        the XREAD): the commit's error reply raises (LeaseLost, ...); (whether the commit was
+        applied, the read's raw replies for waited())."""
+        lease = reader.lease
+        commands = calls.commit_then_wait_commands(
+            self._keys,
+            lease,
+            commit,
+            lambda name: self._scripts[name].sha,
+            reader.wait_after(),
+            count,
+            block_ms,
+        )
+        key = commands[-1][1]
+        replies = self._exchange(key, commands, follow=False)
+        if redirection(replies[:1]):  # the commit did not run: alone again, following
+            replies[:1] = self._exchange(key, commands[:1])
+        if redirection(replies[1:]):  # nor did the read (after a commit that may have run)
+            replies[1:] = self._exchange(key, commands[1:])
+        committed = replies.pop(0)
+        if isinstance(committed, NoScriptError):  # a restarted server: load it, commit again
+            return self.commit(lease, commit), replies
+        if isinstance(committed, Exception):
+            raise from_reply(str(committed), lease.topic) or committed
+        return committed == 1, replies
+
+    @staticmethod
+    def waited(lease: Lease, replies: list[Any]) -> list[Any]:
+        """The raw entries of a waiting read's replies (see fenced)."""
+        return PartitionIO.fenced(lease, replies, calls.wait_read_reply)
+
+    @staticmethod
+    def fenced(
+        lease: Lease, replies: list[Any], parse: Callable[[list[Any]], calls.RangeRead]
+    ) -> list[Any]:
+        """The raw entries of a fenced read's replies (parse: range_read_reply or
+        wait_read_reply): LeaseLost unless the lease read after the entries is the reader's.
+        The caller decodes them (decode_entries, or chunks.admitted_chunks). An error reply
+        (a stream replaced by another type, an ID Redis refuses) raises RedisqError naming the
+        partition: it is not a read of no entries."""
+        error = calls.read_error(replies)
+        if redirection([error]):  # a slot migrating: the worker reads again (a warning)
+            raise error  # type: ignore[misc]
+        if error is not None:
+            raise RedisqError(
+                f"reading {lease.topic}/{lease.partition} failed: {type(error).__name__}: {error}"
+            ) from error
+        result = parse(replies)
+        if result.lease_value != lease.value:
+            raise LeaseLost(f"{lease.topic}/{lease.partition} lease is held by another grant")
+        return result.entries
+
+    def commit(self, lease: Lease, commit: Commit) -> bool:
+        """commit_position.lua: False when Redis had applied a later-numbered write of the
+        lease first (a transaction's hold), so nothing of this commit was."""
+        call = calls.commit_position(self._keys, lease, commit)
+        if self._cluster:  # on the partition's node, redirections followed (_exchange)
+            sha = self._scripts[call.script].sha
+            reply = (self._exchange(call.keys[0], [calls.script_command(sha, call)]))[0]
+            if not isinstance(reply, NoScriptError):  # else: loaded and run by scripts.run
+                if isinstance(reply, Exception):
+                    raise from_reply(str(reply), lease.topic) or reply
+                return bool(reply == 1)
+        return self._scripts.run(call) == 1
+
+    def load_parked(self, reader: OrderlyPartition) -> None:
+        """The group's parked keys and the messages held behind them, whatever this member's
+        policy (a park_key member may have parked them): its messages stay held, and the held
+        ones are handed out once their key is released."""
+        key = self._keys.log(*reader.tp)
+        reads = parked_reads(self._keys, self.group, reader.tp)
+        reader.parked_loaded(*hashes(self._exchange(key, reads)))
+
+    def parked_now(self, tp: TopicPartition) -> set[bytes]:
+        """The group's parked keys on the partition now (a `redisq dlq release` frees some)."""
+        key = self._keys.parked_keys(tp[0], tp[1], self.group)
+        reply = (self._exchange(key, [("HKEYS", key)]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return set(reply)
+
+    def fetch_offsets(self, tp: TopicPartition, offsets: list[str]) -> list[Message]:
+        """Held messages by offset (one pipelined XRANGE each); a trimmed one is gone."""
+        key = self._keys.log(*tp)
+        return offset_entries(tp, self._exchange(key, [("XRANGE", key, o, o) for o in offsets]))
+
+    def committed(self, tp: TopicPartition) -> str | None:
+        """The group's position on a partition of a topic it reads (InvalidConfig for another
+        topic, PartitionOutOfRange for a partition the topic does not have)."""
+        topic, p = self.group_topic(tp)
+        if not self._client.sismember(self._keys.groups(topic), self.group):
+            raise self.not_read(topic, self.group)
+        config = self.broker.topic_config(topic)
+        if not self.partition_in(p, config.partitions):  # added since it was cached?
+            config = self.broker.topic_config(topic, refresh=True)
+            if not self.partition_in(p, config.partitions):
+                raise PartitionOutOfRange(topic, p, config.partitions)
+        for info in self._client.xinfo_groups(self._keys.log(topic, p)):
+            name = info.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) == self.group:
+                last = info.get("last-delivered-id")
+                return last.decode() if isinstance(last, bytes) else last
+        return None
+
+    @staticmethod
+    def group_topic(tp: object) -> tuple[str, Any]:
+        """(topic, partition) of a committed() argument; InvalidConfig unless it names a topic."""
+        if not isinstance(tp, tuple) or len(tp) != 2 or not isinstance(tp[0], str):
+            raise InvalidConfig(f"{tp!r}: expected a partition or a (topic, partition) pair")
+        return tp[0], tp[1]
+
+    @staticmethod
+    def not_read(topic: str, group: str) -> InvalidConfig:
+        return InvalidConfig(f"topic {topic!r} is not read by group {group!r}")
+
+    @staticmethod
+    def partition_in(partition: object, partitions: int) -> bool:
+        if isinstance(partition, bool) or not isinstance(partition, int):
+            return False
+        return 0 <= partition < partitions
+
+    @staticmethod
+    def check_offset(offset: object) -> str:
+        """A seek's offset as Redis takes it: offsets.offset_parts, the one parser of stream
+        IDs (ASCII digits, each part at most 2**64 - 1), as "<ms>-<seq>"."""
+        try:
+            ms, seq = offset_parts(offset if isinstance(offset, str) else "")
+        except ValueError:
+            raise InvalidConfig(
+                f"offset {offset!r}: expected a stream ID <ms>-<seq> such as 1700000000000-0, "
+                "each part 0..18446744073709551615"
+            ) from None
+        return f"{ms}-{seq}"
+
+    # -- concurrent: the Redis consumer group ----------------------------------------------------
+    def read_group(
+        self,
+        tp: TopicPartition,
+        count: int,
+        ack_ids: list[str],
+        block_ms: int | None,
+        start: str = ">",
+    ) -> list[Any]:
+        """XACK what was handled and XREADGROUP from `start` in one write (BLOCK when
+        waiting): the entries read, raw (for decode_entries or decode_lazily)."""
+        stream = self._keys.log(*tp)
+        commands = calls.group_read_commands(
+            stream, self.group, self.member, count, ack_ids, block_ms, start
+        )
+        return calls.group_read_entries(self._exchange(stream, commands), start)
+
+    def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
+        """XAUTOCLAIM entries pending longer than claim_idle_ms (a dead member's), now and
+        then (every claim_idle_ms / 2)."""
+        now = time.monotonic()
+        idle_ms = self.settings.claim_idle
+        if now - self._last_claim.get(tp, 0.0) < idle_ms / 2000:
+            return []
+        self._last_claim[tp] = now
+        claimed = self._scripts.run(
+            calls.claim_pending(
+                self._keys,
+                calls.GroupRef(tp[0], self.group),
+                tp[1],
+                self.member,
+                "",
+                "0-0",
+                count,
+                idle_ms,
+            )
+        )
+        return decode_entries(tp[0], tp[1], claimed.entries, claimed.deliveries)
+
+    def ack_group(self, tp: TopicPartition, ids: list[str]) -> int:
+        """XACK on the partition's node (a connection the server dropped is replaced first)."""
+        if not ids:
+            return 0
+        stream = self._keys.log(*tp)
+        reply = (self._exchange(stream, [("XACK", stream, self.group, *ids)]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return int(reply)
+
+    # -- failures --------------------------------------------------------------------------------
+    def dead_letter(
+        self,
+        reader: OrderlyPartition | None,
+        message: Message,
+        error: BaseException | str,
+        attempts: int,
+        *,
+        park: bool = False,
+    ) -> None:
+        """The copy to the dead-letter topic (idempotent: its message id is the source's
+        coordinates); concurrent mode then acks it with dead_letter.lua. Orderly mode passes
+        over it with the next commit (the caller updates the reader; `park`: its key is parked
+        with it)."""
+        writer = self._writer(message.topic)
+        writer.write(message, error, attempts)
+        if reader is None:
+            self._scripts.run(
+                calls.dead_letter(
+                    self._keys,
+                    calls.GroupRef(message.topic, self.group),
+                    message.partition,
+                    "",
+                    message.offset,
+                )
+            )
+        if isinstance(message, MalformedMessage):
+            self.note_malformed(message, f"dead-lettered to {writer.topic}")
+
+    def _writer(self, topic: str) -> DeadLetterWriter:
+        with self._guard:
+            writer = self._writers.get(topic)
+            if writer is None:
+                writer = self._writers[topic] = DeadLetterWriter(self.broker, topic, self.group)
+            return writer
+
+    def mark_blocked(
+        self, tp: TopicPartition, message: Message, error: BaseException, attempts: int
+    ) -> None:
+        """Policy block: the partition waits on this message; describe_group and lag show it."""
+        try:
+            self._client.hset(
+                self._keys.group_partition_state(tp[0], tp[1], self.group),
+                mapping={
+                    "blocked_offset": message.offset,
+                    "blocked_error": f"{type(error).__name__}: {error}"[:500],
+                    "blocked_attempts": attempts,
+                },
+            )
+        except redis.RedisError as exc:
+            log.warning("%s: could not record the blocked message: %s", self.member, exc)
+
+    def note_malformed(self, message: Message, what: str) -> None:
+        self.malformed_log.note(message, what)
+
+    # -- poll ------------------------------------------------------------------------------------
+    def fetch(
+        self,
+        tp: TopicPartition,
+        reader: OrderlyPartition | None,
+        count: int,
+        guard: Any,
+        moves: int,
+    ) -> list[Message]:
+        """poll(): the next messages of a partition (orderly: held keys' messages held back;
+        nothing when the position moved since `moves` was taken, before the read)."""
+        if reader is not None:
+            messages = decode_entries(*tp, self.read_range(reader, count))
+            with guard:
+                return reader.admit_unless_moved(messages, time.monotonic(), moves)
+        claimed = self.claim_idle(tp, count)
+        return claimed or decode_entries(*tp, self.read_group(tp, count, [], None))
+
+    def screen(
+        self,
+        reader: OrderlyPartition | None,
+        messages: list[Message],
+        stats: ConsumerStats,
+        guard: Any,
+        moves: int,
+    ) -> list[Message]:
+        """poll(): malformed entries go to the failure policy, never to the caller; a block stops
+        the batch there (orderly: read again from it after a backoff). Orderly, the batch is
+        given to the caller in order, the dead-lettered ones acked at once (the position passes
+        them only with the messages before them), unless the position moved since the read was
+        sent (`moves`: a seek, a hand-over): then nothing is given."""
+        good: list[Message] = []
+        given: list[Message] = []
+        passed: list[str] = []
+        block_at = None
+        for message in messages:
+            if message.__class__ is not MalformedMessage:
+                good.append(message)
+                given.append(message)
+                continue
+            if reader is not None and reader.moves != moves:
+                return []  # dropped (screened() says so again under the guard): no I/O for it
+            action = self.policy.malformed()
+            if not (reader is not None and reader.blocked == message.offset):
+                stats.malformed += 1
+            if isinstance(action, DeadLetter):
+                stats.dead_letters += 1
+                self.dead_letter(reader, message, message.error(), 0)  # type: ignore[attr-defined]
+                given.append(message)
+                passed.append(message.offset)
+                continue
+            if reader is not None:
+                if reader.blocked != message.offset:
+                    self.note_malformed(message, "blocking (policy block)")
+                    self.mark_blocked(reader.tp, message, message.error(), 0)  # type: ignore[attr-defined]
+                block_at = message.offset
+            else:
+                self.note_malformed(message, "left pending (policy block)")
+            break
+        if reader is not None:
+            with guard:
+                now = time.monotonic()
+                if not reader.screened(given, passed, block_at, now, moves):
+                    return []
+        return good
+
+    @staticmethod
+    def deserialize(
+        message: Message,
+        key_decoder: Callable[[bytes], Any] | None,
+        value_decoder: Callable[[bytes], Any] | None,
+    ) -> Message:
+        changes: dict[str, Any] = {}
+        if key_decoder is not None and message.key is not None:
+            changes["key"] = key_decoder(message.key)
+        if value_decoder is not None:
+            changes["value"] = value_decoder(message.value)
+        return replace(message, **changes) if changes else message
+
+    def close(self) -> None:
+        with self._guard:
+            writers = list(self._writers.values())
+        for writer in writers:
+            writer.close()
+        self.malformed_log.close()
+
+
+def parked_reads(keys: KeySpace, group: str, tp: TopicPartition) -> list[tuple[str, str]]:
+    """load_parked's two reads, sent in one round trip (the keys share the partition's slot)."""
+    return [
+        ("HGETALL", keys.parked_keys(tp[0], tp[1], group)),
+        ("HGETALL", keys.held_messages(tp[0], tp[1], group)),
+    ]
+
+
+def hashes(replies: list[Any]) -> list[dict[bytes, bytes]]:
+    """Raw HGETALL replies (RESP2 flat lists or RESP3 maps) as dicts; an error reply raises."""
+    result = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+        result.append(
+            reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+        )
+    return result
+
+
+def offset_entries(tp: TopicPartition, replies: list[Any]) -> list[Message]:
+    """The messages of fetch_offsets' XRANGE replies. An error reply raises: read as "no entry"
+    it made a blocked message look deleted (passed over, never handled) and a released held
+    message look trimmed, when the XRANGE was only answered ASK, MOVED or TRYAGAIN while the
+    partition's slot migrated."""
+    entries = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+        entries.extend(reply)
+    return decode_entries(tp[0], tp[1], entries)
