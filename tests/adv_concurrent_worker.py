@@ -1,5 +1,5 @@
-"""A concurrent-mode member in its own process (tests/test_adv_controls_faults.py): every
-handled message is pushed as "<member> <partition> <offset>" onto the test's list."""
+"""A concurrent-mode member in its own process (tests/consume/test_concurrent_member_faults.py):
+every handled message is pushed as "<member> <partition> <offset>" onto the test's list."""
 
 from __future__ import annotations
 

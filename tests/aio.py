@@ -28,7 +28,7 @@ import redis
 
 import redisq
 import redisq.asyncio as rq
-from redisq.records import Message
+from redisq.model.records import Message
 from tests.servers import ServerProcess
 
 TEST_DEADLINE_S = 120.0

@@ -24,6 +24,7 @@ import redis
 
 import redisq
 from tests.aio import Env
+from tests.apis import open_api
 from tests.history.proxy import Proxy
 from tests.replication import start_replica
 from tests.servers import ServerProcess, binary_for, redis_binary, start_cluster
@@ -63,7 +64,7 @@ def own_redisq_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     try:
         yield
     finally:
-        from redisq.embedded import stop_shared_server
+        from redisq.server.embedded import stop_shared_server
 
         stop_shared_server()
         if previous is None:
@@ -162,6 +163,18 @@ def broker(server_url: str, namespace: str) -> Iterator[redisq.Broker]:
     """A broker on each backend, in a namespace of its own, emptied afterwards."""
     with broker_in(server_url, namespace) as broker:
         yield broker
+
+
+@pytest.fixture(params=["sync", "async"])
+def api(request: pytest.FixtureRequest, broker: redisq.Broker, server_url: str) -> Iterator[Any]:
+    """Both APIs on each backend, in the `broker` fixture's namespace (emptied afterwards):
+    `api.broker` is a thread API broker, or an asyncio one behind tests/apis.py's Bridge, so a
+    test body written once runs on both (`api.name` says which)."""
+    driver = open_api(str(request.param), server_url, broker.namespace)
+    try:
+        yield driver
+    finally:
+        driver.shutdown()
 
 
 @pytest.fixture

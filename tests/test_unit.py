@@ -17,7 +17,6 @@ from redis.crc import key_slot
 
 import redisq
 from redisq import errors
-from redisq.connection import open_client, redact_url
 from redisq.errors import (
     InvalidConfig,
     InvalidName,
@@ -28,17 +27,13 @@ from redisq.errors import (
     TopicExists,
     TopicNotFound,
 )
-from redisq.keys import KeySpace, validate_name, validate_namespace, validate_topic
-from redisq.msgid import MessageIdGenerator, decode_ulid, ulid_time_ms
-from redisq.partitioner import StickyPartitioner, partition_for_key
+from redisq.model.keys import KeySpace, validate_name, validate_namespace, validate_topic
+from redisq.model.msgid import MessageIdGenerator, decode_ulid, ulid_time_ms
+from redisq.model.offsets import offset_at, offset_parts
+from redisq.model.partitioner import StickyPartitioner, partition_for_key
+from redisq.model.records import decode_entry, decode_headers, encode_headers
 from redisq.protocol.resp import pack_commands
-from redisq.records import (
-    decode_entry,
-    decode_headers,
-    encode_headers,
-    offset_at,
-    offset_parts,
-)
+from redisq.server.connection import open_client, redact_url
 from tests.servers import free_port
 
 
@@ -582,9 +577,12 @@ def test_send_bad_input_raises_and_writes_nothing(fake: redisq.Broker) -> None:
             producer.send("t", b"v", partition=2)
         with pytest.raises(TypeError):
             producer.send("t", b"v", partition="0")  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="message_id must not be empty"):
-            producer.send("t", b"v", message_id="")
+        with pytest.raises(redisq.InvalidConfig, match="would not be deduplicated"):
+            producer.send("t", b"v", message_id="m-1")  # a sequence producer's: refused
         producer.flush()
+    with fake.producer(idempotence="message_id") as by_id:
+        with pytest.raises(ValueError, match="message_id must not be empty"):
+            by_id.send("t", b"v", message_id="")
     assert fake.describe_topic("t").total_messages == 0
 
 
@@ -671,7 +669,7 @@ def test_lost_reply_is_answered_from_the_window(
 ) -> None:
     """A connection dropped after the script ran: the re-sent batch is a duplicate inside the
     window and comes back with the offsets it was written at; nothing is written twice."""
-    from redisq.transport import Transport
+    from redisq.server.transport import Transport
 
     fake.create_topic("t")
     real_read = Transport.read
@@ -763,7 +761,7 @@ def test_pack_commands_refuses_what_redis_py_refuses(bad: object) -> None:
 def test_backoff_after_many_attempts_stays_at_its_maximum() -> None:
     """failure_policy="block" retries for ever: the 1,025th attempt's delay was 2**1024 times
     the base, an OverflowError that killed the partition's worker (seen in CI)."""
-    from redisq.policies import Backoff
+    from redisq.consume.policies import Backoff
 
     backoff = Backoff(base_ms=1, max_ms=10)
     for attempt in (1, 2, 64, 65, 1025, 10**6):

@@ -1,4 +1,5 @@
-"""Helpers for the transaction tests (tests/test_transactions.py, test_transactions_faults.py).
+"""Helpers for the transaction tests (tests/transactions/: test_transactions.py,
+test_crash_at_every_step.py and the others).
 
 What the tests check is read back through a separate sync broker (`broker.read`, XINFO GROUPS),
 never through the producer under test. Three pieces:
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redisq
+from redisq.model.records import Message
 from redisq.protocol import ScriptCall
-from redisq.records import Message
 
 # Children fork from a server process that imported redisq once (fast, and single-threaded:
 # nothing of the test process's threads or connections is inherited).
@@ -176,6 +177,15 @@ class _AsyncConsumer:
     def committed(self, partition: int) -> Any:
         return self.d.call(self.inner.committed(partition))
 
+    def pause(self, *partitions: Any) -> None:
+        self.d.in_loop(lambda: self.inner.pause(*partitions))
+
+    def resume(self, *partitions: Any) -> None:
+        self.d.in_loop(lambda: self.inner.resume(*partitions))
+
+    def paused(self) -> Any:
+        return self.d.in_loop(self.inner.paused)
+
     def close(self) -> None:
         self.d.call(self.inner.close())
 
@@ -268,8 +278,8 @@ class CrashAt:
 
 
 def install_crash(crash: CrashAt, conn: Any) -> None:
-    """Wrap redisq.scripts.Scripts.execute in this process (the test's own monkeypatch)."""
-    from redisq.scripts import Scripts
+    """Wrap redisq.server.scripts.Scripts.execute in this process (the test's own monkeypatch)."""
+    from redisq.server.scripts import Scripts
 
     original = Scripts.execute
     depth = threading.local()

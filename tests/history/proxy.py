@@ -95,8 +95,10 @@ class Proxy:
     def heal(self, keep: Iterable[int] = ()) -> None:
         self._call(self._heal(set(keep)))
 
-    def held_connections(self) -> list[int]:
-        return self._call(self._held_connections())
+    def held_connections(self, needle: bytes | None = None) -> list[int]:
+        """Frozen connections holding bytes for the server (only those whose bytes contain
+        `needle`, case-insensitive, when given)."""
+        return self._call(self._held_connections(None if needle is None else needle.lower()))
 
     def holds_for_server(self, needle: bytes) -> bool:
         """Some connection holds bytes for the server containing `needle` (case-insensitive):
@@ -156,8 +158,14 @@ class Proxy:
         self.mode, self.delay_s, self.trap_needle = "pass", 0.0, None
         await self._release_held(keep)
 
-    async def _held_connections(self) -> list[int]:
-        return [n for n, c in self._connections.items() if c.frozen and c.to_server.held]
+    async def _held_connections(self, needle: bytes | None) -> list[int]:
+        return [
+            n
+            for n, c in self._connections.items()
+            if c.frozen
+            and c.to_server.held
+            and (needle is None or needle in b"".join(x for x in c.to_server.held if x).lower())
+        ]
 
     async def _release_held(self, keep: set[int] | None = None) -> int:
         released = 0
