@@ -31,9 +31,8 @@ from report import print_table
 
 import redisq
 from redisq.console import create_app
-from redisq.group import describe_group, list_groups
-from redisq.inspect import namespace_snapshot
 from redisq.protocol import run_operation
+from redisq.protocol.overview import namespace_snapshot
 
 TARGET_MS = 300
 
@@ -146,8 +145,8 @@ def compare_reads(broker: redisq.Broker, repeat: int) -> list[list[str]]:
     def per_object() -> None:
         for topic in broker.list_topics():
             broker.describe_topic(topic)
-        for topic, group in list_groups(broker):
-            describe_group(broker, topic, group)
+        for topic, group in broker.list_groups():
+            broker.describe_group(topic, group)
 
     medians = {}
     for name, run in (

@@ -41,7 +41,6 @@ from report import print_table, ratio_rows, run_rounds
 
 import redisq
 import redisq.asyncio as redisq_asyncio
-from redisq.group import delete_group
 
 PARTITIONS = 8
 PAYLOAD = b"x" * 100
@@ -116,7 +115,7 @@ def run_redisq(broker: redisq.Broker, topic: str, n: int, mode: str) -> float:
         raise SystemExit(f"{mode}: not every message was handled")
     consumer.close()
     runner.join(30)
-    delete_group(broker, topic, group)
+    broker.delete_group(topic, group)
     return n / (finished_at[0] - start)
 
 
@@ -136,7 +135,7 @@ def run_poll(broker: redisq.Broker, topic: str, n: int, each: bool) -> float:
                 consumer.ack(messages)
             got += len(messages)
         elapsed = time.perf_counter() - start
-    delete_group(broker, topic, group)
+    broker.delete_group(topic, group)
     if got != n:
         raise SystemExit(f"poll: read {got} of {n}")
     return n / elapsed

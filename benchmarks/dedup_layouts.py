@@ -215,7 +215,7 @@ def servers(url: str | None) -> list[tuple[str, str | None]]:
     if shutil.which("redis-server"):
         found.append(("redis-server", shutil.which("redis-server")))
     try:
-        from redisq.embedded import valkey_binary
+        from redisq.server.embedded import valkey_binary
 
         found.append(("embedded valkey-server", valkey_binary()))
     except (ImportError, RuntimeError, OSError) as exc:

@@ -748,8 +748,8 @@ def add_redis(bench: Bench, side: RedisSide, suffix: str) -> None:
 
 
 def start_valkey() -> tuple[Any, str]:
-    """An embedded valkey-server as redisq starts one (redisq.embedded), keeping no data."""
-    from redisq.embedded import start_child_server
+    """An embedded valkey-server as redisq starts one (redisq.server.embedded), keeping no data."""
+    from redisq.server.embedded import start_child_server
 
     server = start_child_server()
     return server, server.url

@@ -12,7 +12,7 @@ partitions, on --url or REDIS_URL, else on a throwaway valkey-server of its own.
   local[2] read      spark.read.format("redisq")...count(), 2 cores in one JVM
   local[2] write     the topic read and written to a second topic (transactions, the default)
   standalone read    the same on a standalone cluster: master + 2 workers of 1 core
-  standalone write   (tests/spark_standalone.py starts it on loopback and stops it)
+  standalone write   (tests/spark/standalone.py starts it on loopback and stops it)
 
 Peak RSS is the largest Python worker (pyspark.daemon and its forks) seen during the job,
 sampled every 100 ms; the "(10 rows)" line is a worker that read almost nothing (the
@@ -164,7 +164,7 @@ def main() -> None:
         rows += spark_jobs(spark, url, namespace, n, args.fetch_count, "local[2]", 2)
         spark.stop()
         if not args.no_standalone:
-            from tests.spark_standalone import StandaloneCluster
+            from tests.spark.standalone import StandaloneCluster
 
             cluster = StandaloneCluster(Path(tempfile.mkdtemp()), memory="2g").start()
             try:
