@@ -375,6 +375,9 @@ class Consumer(Poller):
                 # a hand-over or an acquire, is finished or given up below)
                 grace = 0.0 if is_async() else timeout
                 await astop(self._coordinator, grace, self._halt_coordinator)
+            # Not in the coordinator's task, which a cancellation ends: the delayed messages'
+            # scheduler hands its leases back here (past close()'s timeout, in the background).
+            await self._scheduler.close()
         if self._coordinator is None or not alive(self._coordinator):
             # What the coordinator took up while the partitions above were finished (an acquire
             # answered meanwhile), and acquires it had no answer to.

@@ -271,19 +271,16 @@ class Coordinator:
     def _coordinate(self) -> None:
         """Heartbeats, metadata, assignment, lease acquire/renew/hand-over; until close()."""
         mark_own(self)
-        self._scheduler.start()
-        try:
-            while not self._coordinator_stop.is_set():
-                try:
-                    self._coordinate_once(time.monotonic())
-                except redis.RedisError as exc:
-                    log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
-                except Exception:  # pragma: no cover - keep the member alive (the lease guards)
-                    log.exception("%s: coordinator error", self.name)
-                self._wake.wait(self._tick_s)
-                self._wake.clear()
-        finally:
-            self._scheduler.close()
+        self._scheduler.start()  # stopped by close(), once the coordinator has stopped
+        while not self._coordinator_stop.is_set():
+            try:
+                self._coordinate_once(time.monotonic())
+            except redis.RedisError as exc:
+                log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
+            except Exception:  # pragma: no cover - keep the member alive (the lease guards)
+                log.exception("%s: coordinator error", self.name)
+            self._wake.wait(self._tick_s)
+            self._wake.clear()
 
     def _coordinate_once(self, now: float) -> None:
         with self._guard:

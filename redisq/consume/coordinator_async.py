@@ -273,19 +273,16 @@ class Coordinator:
     async def _coordinate(self) -> None:
         """Heartbeats, metadata, assignment, lease acquire/renew/hand-over; until close()."""
         mark_own(self)
-        self._scheduler.start()
-        try:
-            while not self._coordinator_stop.is_set():
-                try:
-                    await self._coordinate_once(time.monotonic())
-                except redis.RedisError as exc:
-                    log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
-                except Exception:  # pragma: no cover - keep the member alive (the lease guards)
-                    log.exception("%s: coordinator error", self.name)
-                await self._wake.wait(self._tick_s)
-                self._wake.clear()
-        finally:
-            await self._scheduler.close()
+        self._scheduler.start()  # stopped by close(), once the coordinator has stopped
+        while not self._coordinator_stop.is_set():
+            try:
+                await self._coordinate_once(time.monotonic())
+            except redis.RedisError as exc:
+                log.warning("%s: coordinator: %s: %s", self.name, type(exc).__name__, exc)
+            except Exception:  # pragma: no cover - keep the member alive (the lease guards)
+                log.exception("%s: coordinator error", self.name)
+            await self._wake.wait(self._tick_s)
+            self._wake.clear()
 
     async def _coordinate_once(self, now: float) -> None:
         with self._guard:

@@ -134,11 +134,8 @@ def test_a_consumer_delivers_what_a_closed_producer_scheduled(
         assert message.timestamp_ms >= due[message.value]  # the server's clock, both
     assert Counter(m.value for m in read_all(broker, "orders")) == Counter(list(due))
     assert broker.describe_topic("orders").total_scheduled == 0
-    # The thread API's consumer handed its scheduler leases back when it closed. (The asyncio
-    # consumer's close() cancels its coordinator task at once, the scheduler's hand-back with
-    # it, so its leases are left to expire: not asserted for it until that is fixed.)
-    if api.name == "sync":
-        assert not [k for k in schedule_keys(broker, "orders", PARTITIONS) if b"schedlease" in k]
+    # The consumer handed its scheduler leases back when it closed (not left to expire).
+    assert not [k for k in schedule_keys(broker, "orders", PARTITIONS) if b"schedlease" in k]
 
 
 def test_equal_due_times_keep_send_order_per_key(api: Any, broker: redisq.Broker) -> None:
