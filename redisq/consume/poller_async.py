@@ -215,12 +215,10 @@ class Poller(Coordinator):
         self._stall_logged = now
         log.warning(
             "%s: poll() gives nothing: the %d partitions it holds each wait for the messages "
-            "they gave to be acknowledged (an orderly partition gives one batch at a time; "
-            "enable_auto_commit=%s): ack() or commit() them, or poll() with "
-            "enable_auto_commit=True",
+            "they gave to be acknowledged (an orderly partition gives one batch at a time): "
+            "ack() or commit() each once it is handled",
             self.name,
             partitions,
-            self.settings.enable_auto_commit,
         )
 
     async def _released(
