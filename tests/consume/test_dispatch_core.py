@@ -503,3 +503,15 @@ def test_a_partition_in_one_transaction_refuses_another() -> None:
         transaction_inputs({TP: reader}, lambda tp: False, "g", read[1:], "tx2", 0.0)
     [(_, position)] = transaction_inputs({TP: reader}, lambda tp: False, "g", read[1:], "tx1", 0)
     assert position.position == "3-0"
+
+
+def test_plain_commits_wait_for_the_open_transaction_that_carries_the_position() -> None:
+    reader = reader_at("1-0", entries_read=10)
+    read = polled(reader, msg("2-0"), msg("3-0"))
+    transaction_inputs({TP: reader}, lambda tp: False, "g", read[:1], "tx1", 0.0)
+    reader.ack(["3-0"], 1.0)  # consumer.ack() of the next one, while tx1 is open
+    assert reader.commit_due(2.0, 1.0)
+    assert reader.take_commit() is None  # it would move the group past tx1's inputs
+    reader.transaction_ended("2-0", 11, committed=True)
+    commit = reader.take_commit()
+    assert commit is not None and (commit.position, commit.entries_read) == ("3-0", 12)
