@@ -343,8 +343,9 @@ class OrderlyPartition:
     # -- transactions ----------------------------------------------------------------------------
     def acked_here(self, offset: str) -> bool:
         """`offset` is one this reader's position moved over under its lease: after the grant's
-        position, at or before what it handled (committed or not)."""
-        passed = self.done or self.committed_at
+        position, at or before what it handled (committed, being committed, or not)."""
+        in_flight = self.commit_in_flight.position if self.commit_in_flight else None
+        passed = self.done or in_flight or self.committed_at
         try:
             return offset_parts(self.granted_at) < offset_parts(offset) <= offset_parts(passed)
         except ValueError:  # a position that is not an ID yet (a new group's "$")

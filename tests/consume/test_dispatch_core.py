@@ -517,12 +517,6 @@ def test_plain_commits_wait_for_the_open_transaction_that_carries_the_position()
     assert commit is not None and (commit.position, commit.entries_read) == ("3-0", 12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OrderlyPartition.acked_here takes `self.done or self.committed_at` and ignores the "
-    "commit in flight: between take_commit() and its answer (the coordinator sends it outside "
-    "the guard) a tx.ack of a message acked under this lease raises LeaseLost, not AlreadyAcked",
-)
 def test_a_transaction_cannot_ack_what_a_commit_in_flight_carries() -> None:
     reader = reader_at("1-0")
     read = polled(reader, msg("2-0"))
