@@ -1,15 +1,16 @@
-"""Kafka's consumer controls while an orderly run() is under way, thread and asyncio consumers:
-a seek made while a read is in flight wins over it; a seek past the end waits (XREAD BLOCK)
-instead of reading by range again and again, and still delivers an entry appended at the seek's
-offset; pause() stops handling from the next message, and what was read but not handled comes
-after resume(). The worker's state is observed, never slept on: CLIENT LIST shows its connection
-blocked in XREAD (the broker's connections carry a client name of the test's own), INFO
-commandstats counts its reads on a private server.
+"""Kafka's consumer controls while an orderly run() is under way, through both APIs (thread and
+asyncio, tests/apis.py; on the asyncio API the handler is a coroutine function awaited on the
+loop): a seek made while a read is in flight wins over it (in run() and in poll()); a seek past
+the end waits (XREAD BLOCK) instead of reading by range again and again, and still delivers an
+entry appended at the seek's offset; pause() stops handling from the next message, and what was
+read but not handled comes after resume(). Thread API only: a seek from a handler with key lanes,
+and a seek made inside poll()'s screening step (white-box). The worker's state is observed, never
+slept on: CLIENT LIST shows its connection blocked in XREAD (the consumer's connections carry a
+client name of the test's own), INFO commandstats counts its reads on a private server.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,11 +20,9 @@ import pytest
 import redis
 
 import redisq
-import redisq.asyncio as rq
 from redisq.model.offsets import MAX_STREAM_ID_PART, offset_after, offset_before
 from redisq.model.records import Message
-from tests.aio import aio, start_running
-from tests.aio import wait_until as async_wait_until
+from tests.apis import coroutine_on_asyncio, open_api
 from tests.conftest import wait_until
 from tests.history.proxy import Proxy
 from tests.servers import ServerProcess
@@ -35,13 +34,23 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def named(server_url: str, namespace: str, broker: redisq.Broker) -> Iterator[redisq.Broker]:
-    """A broker whose connections are named after the test's namespace (`broker`, of the same
-    namespace, empties it afterwards)."""
-    named = redisq.connect(server_url, namespace=namespace, client_name=namespace)
-    yield named
-    named.close()
+@pytest.fixture(params=["sync", "async"])
+def named_api(
+    request: pytest.FixtureRequest, server_url: str, namespace: str, broker: redisq.Broker
+) -> Iterator[Any]:
+    """Both APIs (tests/apis.py), their connections named after the test's namespace (`broker`,
+    of the same namespace and unnamed, empties it afterwards)."""
+    api = open_api(str(request.param), server_url, namespace, client_name=namespace)
+    try:
+        yield api
+    finally:
+        api.shutdown()
+
+
+@pytest.fixture(params=["sync", "async"])
+def api_name(request: pytest.FixtureRequest) -> str:
+    """Both APIs, for a test on a server of its own (opened with tests.apis.open_api)."""
+    return str(request.param)
 
 
 def blocked_in_xread(client: redis.Redis, name: str) -> bool:
@@ -58,15 +67,17 @@ def send(broker: redisq.Broker, *values: bytes) -> list[str]:
 
 
 class Running:
-    """consumer.run(handler) in a thread, recording each handled value."""
+    """consumer.run(handler) in a thread (either API: on the asyncio API the handler is a
+    coroutine function awaited on the loop), recording each handled value."""
 
     def __init__(
-        self, consumer: redisq.Consumer, on_message: Callable[[Message], None] | None = None
+        self, api: Any, consumer: Any, on_message: Callable[[Message], None] | None = None
     ) -> None:
         self.consumer = consumer
         self.seen: list[bytes] = []
         self.on_message = on_message
-        self.thread = threading.Thread(target=consumer.run, args=(self.handle,), daemon=True)
+        handler = coroutine_on_asyncio(api, self.handle)
+        self.thread = threading.Thread(target=consumer.run, args=(handler,), daemon=True)
 
     def handle(self, message: Message) -> None:
         self.seen.append(message.value)
@@ -98,56 +109,23 @@ VALUES = [f"m{i}".encode() for i in range(5)]
 
 
 def test_seek_while_waiting_wins_over_the_entries_the_wait_returns(
-    named: redisq.Broker, namespace: str
+    named_api: Any, broker: redisq.Broker, namespace: str
 ) -> None:
     """The worker waits in XREAD BLOCK; a seek back to the first message, then an append that
     ends the wait: the read it returns was sent before the seek and is dropped, and everything
     is handled again from the seek's offset."""
-    named.create_topic("t", partitions=1)
-    offsets = send(named, *VALUES)
-    consumer = named.consumer("t", "g", block_ms=3_000)
-    with Running(consumer) as running:
+    broker.create_topic("t", partitions=1)
+    offsets = send(broker, *VALUES)
+    consumer = named_api.broker.consumer("t", "g", block_ms=3_000)
+    with Running(named_api, consumer) as running:
         wait_until(lambda: len(running.seen) == 5, what="the five handled")
-        wait_until(lambda: blocked_in_xread(named.client, namespace), what="waiting in XREAD")
+        wait_until(lambda: blocked_in_xread(broker.client, namespace), what="waiting in XREAD")
         consumer.seek(0, offsets[0])
         assert consumer.position(0) == offsets[0]
-        send(named, b"new")
+        send(broker, b"new")
         wait_until(lambda: b"new" in running.seen, what="the new message handled")
-        wait_until(lambda: blocked_in_xread(named.client, namespace), what="waiting again")
+        wait_until(lambda: blocked_in_xread(broker.client, namespace), what="waiting again")
     assert running.seen == VALUES + VALUES + [b"new"]
-
-
-@aio
-async def test_asyncio_seek_while_waiting_wins_over_the_entries_the_wait_returns(
-    named: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    named.create_topic("t", partitions=1)
-    offsets = send(named, *VALUES)
-    seen: list[bytes] = []
-
-    async def handler(message: Message) -> None:
-        seen.append(message.value)
-
-    broker = await rq.connect(server_url, namespace=namespace, client_name=namespace)
-    consumer = broker.consumer("t", "g", block_ms=3_000)
-    task = await start_running(consumer, handler)
-    try:
-        await async_wait_until(lambda: len(seen) == 5, what="the five handled")
-        await async_wait_until(
-            lambda: blocked_in_xread(named.client, namespace), what="waiting in XREAD"
-        )
-        consumer.seek(0, offsets[0])
-        assert consumer.position(0) == offsets[0]
-        await asyncio.to_thread(send, named, b"new")
-        await async_wait_until(lambda: b"new" in seen, what="the new message handled")
-        await async_wait_until(
-            lambda: blocked_in_xread(named.client, namespace), what="waiting again"
-        )
-    finally:
-        await consumer.close()
-        await asyncio.wait_for(task, 30)
-        await broker.close()
-    assert seen == VALUES + VALUES + [b"new"]
 
 
 def test_seek_from_the_handler_with_key_lanes_takes_effect_within_a_chunk(
@@ -185,7 +163,7 @@ LATER = [f"m{i}".encode() for i in range(5, 10)]
 
 
 def test_poll_seek_while_its_read_is_in_flight_wins(
-    proxied: tuple[ServerProcess, Proxy], namespace: str
+    api_name: str, proxied: tuple[ServerProcess, Proxy], namespace: str
 ) -> None:
     """poll() in one thread, its read held by the network; seek() back to the first message
     from another thread; the read's reply then arrives: it was sent before the seek and is
@@ -195,11 +173,16 @@ def test_poll_seek_while_its_read_is_in_flight_wins(
     with redisq.connect(server.url, namespace=namespace) as direct:
         direct.create_topic("t", partitions=1)
         offsets = send(direct, *VALUES)
-        with redisq.connect(proxy.url, namespace=namespace) as via:
-            consumer = via.consumer("t", "g")
+        api = open_api(api_name, proxy.url, namespace)
+        try:
+            consumer = api.broker.consumer("t", "g")
             first: list[Message] = []
-            wait_until(lambda: bool(first.extend(consumer.poll(0.2, 5))) or len(first) == 5,
-                       what="the first five polled")  # fmt: skip
+
+            def first_five() -> bool:
+                first.extend(consumer.poll(0.2, 5 - len(first)))
+                return len(first) == 5
+
+            wait_until(first_five, what="the first five polled")
             consumer.ack(first)
             consumer.commit()
             send(direct, *LATER)
@@ -216,6 +199,8 @@ def test_poll_seek_while_its_read_is_in_flight_wins(
             consumer.ack(polled)
             assert [m.value for m in consumer.poll(5, 10)] == LATER
             consumer.close()
+        finally:
+            api.shutdown()
 
 
 def test_poll_seek_after_the_read_was_admitted_wins(broker: redisq.Broker) -> None:
@@ -250,39 +235,6 @@ def test_poll_seek_after_the_read_was_admitted_wins(broker: redisq.Broker) -> No
     consumer.close()
 
 
-@aio
-async def test_asyncio_poll_seek_while_its_read_is_in_flight_wins(
-    proxied: tuple[ServerProcess, Proxy], namespace: str
-) -> None:
-    server, proxy = proxied
-    with redisq.connect(server.url, namespace=namespace) as direct:
-        direct.create_topic("t", partitions=1)
-        offsets = send(direct, *VALUES)
-        broker = await rq.connect(proxy.url, namespace=namespace)
-        consumer = broker.consumer("t", "g")
-        try:
-            first: list[Message] = []
-            while len(first) < 5:
-                first.extend(await consumer.poll(0.2, 5))
-            await consumer.ack(first)
-            await consumer.commit()
-            send(direct, *LATER)
-            proxy.blackhole()
-            poll = asyncio.ensure_future(consumer.poll(10, 5))
-            await async_wait_until(
-                lambda: proxy.holds_for_server(b"XRANGE"), what="the poll's read held"
-            )
-            consumer.seek(0, offsets[0])
-            proxy.heal()
-            polled = await asyncio.wait_for(poll, 15)
-            assert [m.value for m in polled] == VALUES
-            await consumer.ack(polled)
-            assert [m.value for m in await consumer.poll(5, 10)] == LATER
-        finally:
-            await consumer.close()
-            await broker.close()
-
-
 # -- a seek past the end -------------------------------------------------------------------------
 @pytest.fixture
 def private_server() -> Iterator[ServerProcess]:
@@ -313,18 +265,19 @@ SPIN_BOUND = 20  # reads in one second: a wait of block_ms=200 makes about 5
 
 
 def test_seek_past_the_end_waits_and_delivers_the_entry_at_the_offset(
-    private_server: ServerProcess,
+    api_name: str, private_server: ServerProcess
 ) -> None:
     """seek_to_time(a minute ahead): no entry is there yet. The worker waits for one (a few
     reads a second, not thousands), and an entry appended at exactly the seek's offset, whose
     sequence is 0, is handled (XREAD waits after the ID just before it)."""
     client = private_server.client()
     broker = redisq.connect(private_server.url, namespace="spin")
+    api = open_api(api_name, private_server.url, "spin")
     try:
         broker.create_topic("t", partitions=1)
         send(broker, b"before")
-        consumer = broker.consumer("t", "g", block_ms=200)
-        with Running(consumer) as running:
+        consumer = api.broker.consumer("t", "g", block_ms=200)
+        with Running(api, consumer) as running:
             wait_until(lambda: running.seen == [b"before"], what="the first message")
             target = future_offset(client)
             consumer.seek(0, target)
@@ -337,45 +290,8 @@ def test_seek_past_the_end_waits_and_delivers_the_entry_at_the_offset(
             wait_until(lambda: len(running.seen) == 2, what="the entry at the seek's offset")
         assert running.seen == [b"before", b"before"]
     finally:
+        api.shutdown()
         broker.close()
-        client.close()
-
-
-@aio
-async def test_asyncio_seek_past_the_end_waits_and_delivers_the_entry_at_the_offset(
-    private_server: ServerProcess,
-) -> None:
-    client = private_server.client()
-    sync = redisq.connect(private_server.url, namespace="spin")
-    broker = await rq.connect(private_server.url, namespace="spin")
-    seen: list[bytes] = []
-
-    async def handler(message: Message) -> None:
-        seen.append(message.value)
-
-    try:
-        sync.create_topic("t", partitions=1)
-        send(sync, b"before")
-        consumer = broker.consumer("t", "g", block_ms=200)
-        task = await start_running(consumer, handler)
-        try:
-            await async_wait_until(lambda: seen == [b"before"], what="the first message")
-            target = future_offset(client)
-            consumer.seek(0, target)
-            start = reads(client)
-            await async_wait_until(lambda: reads(client) > start + 1, what="reads after seek")
-            start = reads(client)
-            await asyncio.sleep(1.0)  # the interval the reads are counted over
-            assert reads(client) - start <= SPIN_BOUND, "reading again and again"
-            entry_at(client, sync, target)
-            await async_wait_until(lambda: len(seen) == 2, what="the entry at the offset")
-        finally:
-            await consumer.close()
-            await asyncio.wait_for(task, 30)
-        assert seen == [b"before", b"before"]
-    finally:
-        await broker.close()
-        sync.close()
         client.close()
 
 
@@ -391,58 +307,25 @@ def rewound_to(consumer: Any, offset: str) -> Callable[[], bool]:
 
 
 def test_pause_while_waiting_stops_the_entries_the_wait_returns(
-    named: redisq.Broker, namespace: str
+    named_api: Any, broker: redisq.Broker, namespace: str
 ) -> None:
     """pause() while the worker waits in XREAD BLOCK, then an append that ends the wait: the
     message read is not handled while paused, and is handled once after resume()."""
-    named.create_topic("t", partitions=1)
-    send(named, b"before")
-    consumer = named.consumer("t", "g", block_ms=3_000)
-    with Running(consumer) as running:
+    broker.create_topic("t", partitions=1)
+    send(broker, b"before")
+    consumer = named_api.broker.consumer("t", "g", block_ms=3_000)
+    with Running(named_api, consumer) as running:
         wait_until(lambda: running.seen == [b"before"], what="the first message")
-        wait_until(lambda: blocked_in_xread(named.client, namespace), what="waiting in XREAD")
+        wait_until(lambda: blocked_in_xread(broker.client, namespace), what="waiting in XREAD")
         consumer.pause(0)
-        [after] = send(named, b"after")
+        [after] = send(broker, b"after")
         stopped = rewound_to(consumer, after)
         wait_until(lambda: stopped() or len(running.seen) > 1, what="the wait's read")
         assert running.seen == [b"before"] and consumer.position(0) == after
         consumer.resume(0)
         wait_until(lambda: len(running.seen) == 2, what="the message after resume()")
-        wait_until(lambda: blocked_in_xread(named.client, namespace), what="waiting again")
+        wait_until(lambda: blocked_in_xread(broker.client, namespace), what="waiting again")
     assert running.seen == [b"before", b"after"]
-
-
-@aio
-async def test_asyncio_pause_while_waiting_stops_the_entries_the_wait_returns(
-    named: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    named.create_topic("t", partitions=1)
-    send(named, b"before")
-    seen: list[bytes] = []
-
-    async def handler(message: Message) -> None:
-        seen.append(message.value)
-
-    broker = await rq.connect(server_url, namespace=namespace, client_name=namespace)
-    consumer = broker.consumer("t", "g", block_ms=3_000)
-    task = await start_running(consumer, handler)
-    try:
-        await async_wait_until(lambda: seen == [b"before"], what="the first message")
-        await async_wait_until(
-            lambda: blocked_in_xread(named.client, namespace), what="waiting in XREAD"
-        )
-        consumer.pause(0)
-        [after] = await asyncio.to_thread(send, named, b"after")
-        stopped = rewound_to(consumer, after)
-        await async_wait_until(lambda: stopped() or len(seen) > 1, what="the wait's read")
-        assert seen == [b"before"] and consumer.position(0) == after
-        consumer.resume(0)
-        await async_wait_until(lambda: len(seen) == 2, what="the message after resume()")
-    finally:
-        await consumer.close()
-        await asyncio.wait_for(task, 30)
-        await broker.close()
-    assert seen == [b"before", b"after"]
 
 
 MANY = [f"m{i}".encode() for i in range(400)]
@@ -456,14 +339,14 @@ def fill(broker: redisq.Broker) -> list[str]:
 
 @pytest.mark.parametrize("key_concurrency", [1, 4])
 def test_pause_from_the_handler_stops_the_rest_of_the_read(
-    broker: redisq.Broker, key_concurrency: int
+    api: Any, broker: redisq.Broker, key_concurrency: int
 ) -> None:
     """pause() from the first message's handler: no further message starts (with key lanes,
     the chunk of 64 the lanes are handling is finished); the rest of the read comes after
     resume(), each message once."""
     broker.create_topic("t", partitions=1)
     offsets = fill(broker)
-    holder: list[redisq.Consumer] = []
+    holder: list[Any] = []
     lock = threading.Lock()
 
     def pause_first(message: Message) -> None:
@@ -471,9 +354,9 @@ def test_pause_from_the_handler_stops_the_rest_of_the_read(
             if message.offset == offsets[0]:
                 holder[0].pause(0)
 
-    consumer = broker.consumer("t", "g", batch_size=1000, key_concurrency=key_concurrency)
+    consumer = api.broker.consumer("t", "g", batch_size=1000, key_concurrency=key_concurrency)
     holder.append(consumer)
-    with Running(consumer, pause_first) as running:
+    with Running(api, consumer, pause_first) as running:
         if key_concurrency == 1:
             wait_until(rewound_to(consumer, offsets[1]), what="stopped for the pause")
             assert running.seen == [MANY[0]]
@@ -486,38 +369,3 @@ def test_pause_from_the_handler_stops_the_rest_of_the_read(
     assert sorted(running.seen) == sorted(MANY)
     if key_concurrency == 1:
         assert running.seen == MANY
-
-
-@pytest.mark.parametrize("key_concurrency", [1, 4])
-@aio
-async def test_asyncio_pause_from_the_handler_stops_the_rest_of_the_read(
-    broker: redisq.Broker, server_url: str, namespace: str, key_concurrency: int
-) -> None:
-    broker.create_topic("t", partitions=1)
-    offsets = await asyncio.to_thread(fill, broker)
-    seen: list[bytes] = []
-    rq_broker = await rq.connect(server_url, namespace=namespace)
-    consumer = rq_broker.consumer("t", "g", batch_size=1000, key_concurrency=key_concurrency)
-
-    async def handler(message: Message) -> None:
-        seen.append(message.value)
-        if message.offset == offsets[0]:
-            consumer.pause(0)
-
-    task = await start_running(consumer, handler)
-    try:
-        if key_concurrency == 1:
-            await async_wait_until(rewound_to(consumer, offsets[1]), what="stopped for pause")
-            assert seen == [MANY[0]]
-        else:  # stops between chunks of 64
-            await async_wait_until(rewound_to(consumer, offsets[64]), what="stopped for pause")
-            assert sorted(seen) == sorted(MANY[:64])
-        consumer.resume(0)
-        await async_wait_until(lambda: len(seen) >= 400, what="the rest after resume()")
-    finally:
-        await consumer.close()
-        await asyncio.wait_for(task, 30)
-        await rq_broker.close()
-    assert sorted(seen) == sorted(MANY)
-    if key_concurrency == 1:
-        assert seen == MANY

@@ -1,8 +1,11 @@
-"""Adversarial tests of the consumer controls (seek/pause/commit) beyond the happy path."""
+"""Adversarial tests of the consumer controls (seek/pause/commit) beyond the happy path, on
+standalone Valkey and Redis: a message blocked by failure_policy="block" is sought past or
+deleted from another thread while run() retries it (both APIs); thread API only: close(timeout)
+returning while a handler still runs hands nothing over, a seek while a key lane is blocked, and
+a bool or float is no partition to seek or pause (nor a NaN a poll timeout)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import zlib
@@ -11,11 +14,10 @@ from typing import Any
 import pytest
 
 import redisq
-import redisq.asyncio as rq
 from redisq.model.records import Message
-from tests.aio import aio, start_running
-from tests.aio import wait_until as async_wait_until
+from tests.apis import coroutine_on_asyncio
 from tests.conftest import wait_until
+from tests.consume.test_consumer import run_in_thread
 
 
 @pytest.fixture(params=["valkey", "redis"])
@@ -32,10 +34,11 @@ FAST = {"retry_backoff_ms": 10, "max_retry_backoff_ms": 20}
 
 
 # -- a message blocked by failure_policy="block", sought past or deleted in run() ---------------
-def poison_then(broker: redisq.Broker, act: Any, after: str) -> None:
+def poison_then(api: Any, broker: redisq.Broker, act: Any, after: str) -> None:
     """poison, m1, m2 on t/0, handled by run() under failure_policy="block" (the poison never
-    works); once the poison was retried 5 times, act(consumer, offsets) from this thread: m1
-    and m2 are then handled, in order, once."""
+    works); once the poison was retried 5 times, act(consumer, offsets) from this thread (on the
+    asyncio API the consumer's calls run on the loop, and the handler is a coroutine function):
+    m1 and m2 are then handled, in order, once."""
     broker.create_topic("t", partitions=1)
     offsets = send(broker, b"poison", b"m1", b"m2")
     seen: list[bytes] = []
@@ -47,50 +50,18 @@ def poison_then(broker: redisq.Broker, act: Any, after: str) -> None:
             raise RuntimeError("never works")
         seen.append(message.value)
 
-    consumer = broker.consumer("t", "g", failure_policy="block", max_attempts=1, **FAST)
-    thread = threading.Thread(target=consumer.run, args=(handler,), daemon=True)
-    thread.start()
+    consumer = api.broker.consumer("t", "g", failure_policy="block", max_attempts=1, **FAST)
+    thread = run_in_thread(consumer, coroutine_on_asyncio(api, handler))
     try:
         wait_until(lambda: calls[0] >= 5, what="the poison retried")
         act(consumer, offsets)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and seen != [b"m1", b"m2"]:
-            time.sleep(0.05)
+        wait_until(lambda: len(seen) >= 2, timeout=30, what=f"m1 and m2 handled {after}")
         assert seen == [b"m1", b"m2"], f"{after}: {seen}, {calls[0]} calls"
     finally:
         consumer.close(timeout=5)
         thread.join(10)
-
-
-async def asyncio_poison_then(
-    broker: redisq.Broker, server_url: str, namespace: str, act: Any, after: str
-) -> None:
-    """poison_then through the asyncio API (act runs on the event loop)."""
-    broker.create_topic("t", partitions=1)
-    offsets = send(broker, b"poison", b"m1", b"m2")
-    seen: list[bytes] = []
-    calls = [0]
-
-    async def handler(message: Message) -> None:
-        calls[0] += 1
-        if message.value == b"poison":
-            raise RuntimeError("never works")
-        seen.append(message.value)
-
-    abroker = await rq.connect(server_url, namespace=namespace)
-    consumer = abroker.consumer("t", "g", failure_policy="block", max_attempts=1, **FAST)
-    task = await start_running(consumer, handler)
-    try:
-        await async_wait_until(lambda: calls[0] >= 5, what="the poison retried")
-        act(consumer, offsets)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and seen != [b"m1", b"m2"]:
-            await asyncio.sleep(0.05)
-        assert seen == [b"m1", b"m2"], f"{after}: {seen}, {calls[0]} calls"
-    finally:
-        await consumer.close()
-        await asyncio.wait_for(task, 30)
-        await abroker.close()
+    assert not thread.is_alive()
+    assert seen == [b"m1", b"m2"], f"{after}: {seen}, {calls[0]} calls"
 
 
 def seek_past(consumer: Any, offsets: list[str]) -> None:
@@ -104,28 +75,14 @@ def deleter(broker: redisq.Broker) -> Any:
     return delete
 
 
-def test_seek_past_a_blocked_message_in_run(broker: redisq.Broker) -> None:
+def test_seek_past_a_blocked_message_in_run(api: Any, broker: redisq.Broker) -> None:
     """README: block "retries forever ... until it is handled, deleted, or sought past", and a
     seek from another thread takes effect after at most the messages being handled."""
-    poison_then(broker, seek_past, "after the seek past it")
+    poison_then(api, broker, seek_past, "after the seek past it")
 
 
-def test_deleting_a_blocked_message_in_run_unblocks(broker: redisq.Broker) -> None:
-    poison_then(broker, deleter(broker), "after deleting it")
-
-
-@aio
-async def test_asyncio_seek_past_a_blocked_message_in_run(
-    broker: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    await asyncio_poison_then(broker, server_url, namespace, seek_past, "after the seek past it")
-
-
-@aio
-async def test_asyncio_deleting_a_blocked_message_in_run_unblocks(
-    broker: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    await asyncio_poison_then(broker, server_url, namespace, deleter(broker), "after deleting it")
+def test_deleting_a_blocked_message_in_run_unblocks(api: Any, broker: redisq.Broker) -> None:
+    poison_then(api, broker, deleter(broker), "after deleting it")
 
 
 # -- close(timeout) while a handler is still running -----------------------------------------------

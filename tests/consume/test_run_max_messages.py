@@ -1,13 +1,15 @@
-"""run(max_messages=N): is it a maximum? (thread and asyncio)."""
+"""run(max_messages=N) is a maximum (both APIs, standalone Valkey and Redis): it returns N
+having handled exactly N, and what it did not take comes to the next run() once each, nothing
+it handled coming again."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 import redisq
-import redisq.asyncio as rq
-from redisq.model.records import Message
-from tests.aio import aio
+from tests.apis import coroutine_on_asyncio
 
 
 @pytest.fixture(params=["valkey", "redis"])
@@ -23,37 +25,15 @@ def fill(broker: redisq.Broker, count: int) -> None:
         producer.flush()
 
 
-def test_run_max_messages_is_a_maximum(broker: redisq.Broker) -> None:
+def test_run_max_messages_is_a_maximum(api: Any, broker: redisq.Broker) -> None:
+    """On the asyncio API the handler is a coroutine function, awaited on the loop."""
     fill(broker, 2000)
     seen: list[tuple[int, str]] = []
-    with broker.consumer("t", "g") as consumer:
-        returned = consumer.run(
-            lambda m: seen.append((m.partition, m.offset)), max_messages=5, timeout=30
-        )
+    handler = coroutine_on_asyncio(api, lambda m: seen.append((m.partition, m.offset)))
+    with api.broker.consumer("t", "g") as consumer:
+        returned = consumer.run(handler, max_messages=5, timeout=30)
     assert (returned, len(seen)) == (5, 5)
     # what it did not take comes next, once each; nothing it handled comes again
-    with broker.consumer("t", "g") as consumer:
-        consumer.run(lambda m: seen.append((m.partition, m.offset)), idle_timeout=2.0, timeout=60)
-    assert len(seen) == 2000 == len(set(seen))
-
-
-@aio
-async def test_asyncio_run_max_messages_is_a_maximum(
-    broker: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    fill(broker, 2000)
-    seen: list[tuple[int, str]] = []
-
-    async def handler(message: Message) -> None:
-        seen.append((message.partition, message.offset))
-
-    abroker = await rq.connect(server_url, namespace=namespace)
-    try:
-        async with abroker.consumer("t", "g") as consumer:
-            returned = await consumer.run(handler, max_messages=5, timeout=30)
-        assert (returned, len(seen)) == (5, 5)
-        async with abroker.consumer("t", "g") as consumer:
-            await consumer.run(handler, idle_timeout=2.0, timeout=60)
-    finally:
-        await abroker.close()
+    with api.broker.consumer("t", "g") as consumer:
+        consumer.run(handler, idle_timeout=2.0, timeout=60)
     assert len(seen) == 2000 == len(set(seen))
