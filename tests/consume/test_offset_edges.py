@@ -130,8 +130,9 @@ def test_an_error_inside_the_exec_reply_is_a_typed_error_naming_the_partition() 
         PartitionIO.waited(LEASE, [wrongtype, LEASE.value.encode()])
     # The lease read first, then its error in place of the entries: not LeaseLost either.
     with pytest.raises(RedisqError, match="orders/3") as raised:
-        PartitionIO.fenced(LEASE, [b"OK", b"QUEUED", b"QUEUED", [None, wrongtype]],
-                           calls.range_read_reply)  # fmt: skip
+        PartitionIO.fenced(
+            LEASE, [b"OK", b"QUEUED", b"QUEUED", [None, wrongtype]], calls.range_read_reply
+        )
     assert not isinstance(raised.value, redisq.LeaseLost)
 
 

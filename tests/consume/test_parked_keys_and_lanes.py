@@ -330,8 +330,8 @@ def test_lanes_meeting_two_malformed_entries_block_at_the_lower(order: list[str]
 def test_held_messages_are_passed_once_what_came_before_them_is_done() -> None:
     reader = reader_at("1-0")
     reader.parked = {b"K"}
-    read = [message(o, k) for o, k in [("2-0", b"K"), ("3-0", b"A"), ("4-0", b"K"),
-                                      ("5-0", b"K"), ("6-0", b"A"), ("7-0", b"K")]]  # fmt: skip
+    keys = [b"K", b"A", b"K", b"K", b"A", b"K"]
+    read = [message(f"{n}-0", key) for n, key in enumerate(keys, start=2)]  # 2-0 .. 7-0
     assert [m.offset for m in reader.admit(read, 0.0)] == ["3-0", "6-0"]
     assert reader.done == "2-0"  # held at the head of the read: nothing before it outstanding
     commit = reader.take_commit()
