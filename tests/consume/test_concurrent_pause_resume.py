@@ -1,19 +1,19 @@
-"""Concurrent mode (Redis consumer groups): pause() and resume() in run()."""
+"""Concurrent mode (Redis consumer groups): pause() and resume() in run(), through both APIs
+(the `api` fixture) on Valkey and Redis; a pause part-way through a read, on the thread API."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
 import redisq
-import redisq.asyncio as rq
 from redisq.model.records import Message
-from tests.aio import aio, start_running
-from tests.aio import wait_until as async_wait_until
+from tests.apis import coroutine_on_asyncio
 from tests.conftest import wait_until
+from tests.consume.test_consumer import run_in_thread
 
 
 @pytest.fixture(params=["valkey", "redis"])
@@ -30,53 +30,25 @@ def send(broker: redisq.Broker, *values: bytes) -> None:
 AFTER = [f"after-{i}".encode() for i in range(5)]
 
 
-def test_concurrent_pause_stops_run(broker: redisq.Broker) -> None:
-    """README: after pause() returns, no further message of the partition starts in run()."""
+def test_concurrent_pause_stops_run(api: Any, broker: redisq.Broker) -> None:
+    """README: after pause() returns, no further message of the partition starts in run(). On
+    the asyncio API the handler is a coroutine function and pause() is called on the loop."""
     broker.create_topic("t", partitions=1)
     send(broker, b"first")
     seen: list[bytes] = []
-    consumer = broker.consumer("t", "g", mode="concurrent", block_ms=100)
-    thread = threading.Thread(target=consumer.run, args=(lambda m: seen.append(m.value),))
-    thread.start()
+    consumer = api.broker.consumer("t", "g", mode="concurrent", block_ms=100)
+    thread = run_in_thread(consumer, coroutine_on_asyncio(api, lambda m: seen.append(m.value)))
     try:
         wait_until(lambda: seen == [b"first"], what="the first message")
         consumer.pause(0)
         send(broker, *AFTER)
-        time.sleep(1.5)
+        time.sleep(1.5)  # a window for a wrong delivery to show (block_ms=100: 15 reads)
         assert seen == [b"first"], f"handled while paused: {seen[1:]}"
         consumer.resume(0)
         wait_until(lambda: sorted(seen[1:]) == AFTER, timeout=10, what="the rest after resume")
     finally:
         consumer.close(timeout=5)
         thread.join(10)
-
-
-@aio
-async def test_asyncio_concurrent_pause_stops_run(
-    broker: redisq.Broker, server_url: str, namespace: str
-) -> None:
-    broker.create_topic("t", partitions=1)
-    send(broker, b"first")
-    seen: list[bytes] = []
-
-    async def handler(message: Message) -> None:
-        seen.append(message.value)
-
-    abroker = await rq.connect(server_url, namespace=namespace)
-    consumer = abroker.consumer("t", "g", mode="concurrent", block_ms=100)
-    task = await start_running(consumer, handler)
-    try:
-        await async_wait_until(lambda: seen == [b"first"], what="the first message")
-        consumer.pause(0)
-        await asyncio.to_thread(send, broker, *AFTER)
-        await asyncio.sleep(1.5)
-        assert seen == [b"first"], f"handled while paused: {seen[1:]}"
-        consumer.resume(0)
-        await async_wait_until(lambda: sorted(seen[1:]) == AFTER, timeout=10, what="the rest")
-    finally:
-        await consumer.close()
-        await asyncio.wait_for(task, 30)
-        await abroker.close()
 
 
 def test_concurrent_pause_part_way_through_a_read(broker: redisq.Broker) -> None:

@@ -1,17 +1,17 @@
 """What a handler's exception says reaches the consumer's log lines (attempt failed, dead-
 lettered) escaped: a newline or a terminal escape in it cannot forge a log line of its own or
-clear the operator's screen. Both APIs, every backend."""
+clear the operator's screen. One test through both APIs (the `api` fixture), every backend."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
 import redisq
-import redisq.asyncio as rq
 from redisq.errors import log_text
-from tests.aio import aio
+from tests.apis import coroutine_on_asyncio
 
 FORGED = "bad order\nredisq.consumer: all good\x1b[2J"
 OPTIONS = {"max_attempts": 2, "retry_backoff_ms": 1, "failure_policy": "dead_letter"}
@@ -30,30 +30,15 @@ def check(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_a_handlers_error_text_is_escaped_in_log_lines(
-    broker: redisq.Broker, caplog: pytest.LogCaptureFixture
+    api: Any, broker: redisq.Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """On the asyncio API the failing handler is a coroutine function awaited on the loop."""
     broker.create_topic("orders", partitions=1)
-    with broker.producer() as producer:
+    with api.broker.producer() as producer:
         producer.send("orders", b"v", key="k")
     with caplog.at_level(logging.WARNING, logger="redisq"):
-        with broker.consumer("orders", "g", **OPTIONS) as consumer:
-            consumer.run(fail, idle_timeout=1.0)
-    check(caplog)
-
-
-@aio
-async def test_a_handlers_error_text_is_escaped_in_log_lines_asyncio(
-    server_url: str, namespace: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    async with await rq.connect(server_url, namespace=namespace) as broker:
-        await broker.create_topic("orders", partitions=1)
-        producer = broker.producer()
-        await producer.start()
-        await producer.send("orders", b"v", key="k")
-        await producer.close()
-        with caplog.at_level(logging.WARNING, logger="redisq"):
-            async with broker.consumer("orders", "g", **OPTIONS) as consumer:
-                await consumer.run(fail, idle_timeout=1.0)
+        with api.broker.consumer("orders", "g", **OPTIONS) as consumer:
+            consumer.run(coroutine_on_asyncio(api, fail), idle_timeout=1.0)
     check(caplog)
 
 

@@ -1,4 +1,6 @@
-"""Offsets at the edges of what Redis takes, on every backend, sync and asyncio:
+"""Offsets at the edges of what Redis takes, on every backend; the tests with a consumer or a
+read run through both APIs (the `api` fixture), but for a refused seek from a handler and
+reset_offsets, on the thread API:
 
 * seek() refuses a stream ID Redis would refuse (a part above 2**64 - 1, a non-ASCII digit) with
   InvalidConfig, and nothing moves: the reads go on from where they were;
@@ -21,7 +23,6 @@ import pytest
 import redis
 
 import redisq
-import redisq.asyncio as rq
 from redisq.consume.partition_io import PartitionIO
 from redisq.errors import InvalidConfig, PartitionOutOfRange, RedisqError
 from redisq.model.keys import KeySpace
@@ -29,7 +30,8 @@ from redisq.model.offsets import MAX_STREAM_ID, offset_after, offset_at
 from redisq.model.records import Message, decode_entries
 from redisq.protocol import group as calls
 from redisq.protocol.group import Lease
-from tests.aio import Env, aio, wait_until
+from tests.apis import coroutine_on_asyncio
+from tests.conftest import wait_until
 
 FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
 TOP = "18446744073709551615"  # 2**64 - 1, the largest part of a stream ID
@@ -65,7 +67,7 @@ def xadd_at_max_id(broker: redisq.Broker, topic: str) -> None:
     assert broker.client.xadd(stream, {"v": "foreign"}, id=MAX_STREAM_ID).decode() == MAX_STREAM_ID
 
 
-def poll_all(consumer: redisq.Consumer, seconds: float) -> tuple[list[Message], list[str]]:
+def poll_all(consumer: Any, seconds: float) -> tuple[list[Message], list[str]]:
     """Poll and ack for `seconds`, keeping every message and every error raised."""
     got: list[Message] = []
     errors: list[str] = []
@@ -76,20 +78,6 @@ def poll_all(consumer: redisq.Consumer, seconds: float) -> tuple[list[Message], 
             consumer.ack(messages)
             got += messages
         except Exception as exc:  # counted: there must be none
-            errors.append(f"{type(exc).__name__}: {exc}")
-    return got, errors
-
-
-async def apoll_all(consumer: rq.Consumer, seconds: float) -> tuple[list[Message], list[str]]:
-    got: list[Message] = []
-    errors: list[str] = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            messages = await consumer.poll(timeout=0.2)
-            await consumer.ack(messages)
-            got += messages
-        except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     return got, errors
 
@@ -142,8 +130,9 @@ def test_an_error_inside_the_exec_reply_is_a_typed_error_naming_the_partition() 
         PartitionIO.waited(LEASE, [wrongtype, LEASE.value.encode()])
     # The lease read first, then its error in place of the entries: not LeaseLost either.
     with pytest.raises(RedisqError, match="orders/3") as raised:
-        PartitionIO.fenced(LEASE, [b"OK", b"QUEUED", b"QUEUED", [None, wrongtype]],
-                           calls.range_read_reply)  # fmt: skip
+        PartitionIO.fenced(
+            LEASE, [b"OK", b"QUEUED", b"QUEUED", [None, wrongtype]], calls.range_read_reply
+        )
     assert not isinstance(raised.value, redisq.LeaseLost)
 
 
@@ -161,10 +150,10 @@ def test_a_read_after_the_largest_id_is_the_lease_alone() -> None:
 
 
 # -- 1. seek to an offset Redis refuses ----------------------------------------------------------
-def test_seek_refuses_what_redis_refuses_and_nothing_moves(broker: redisq.Broker) -> None:
+def test_seek_refuses_what_redis_refuses_and_nothing_moves(api: Any, broker: redisq.Broker) -> None:
     broker.create_topic("t", partitions=1)
     offsets = send_values(broker, "t", ["m0", "m1", "m2", "m3"])
-    with broker.consumer("t", "g", **FAST) as consumer:
+    with api.broker.consumer("t", "g", **FAST) as consumer:
         first = consumer.poll(timeout=10, max_messages=2)
         assert values(first) == ["m0", "m1"]
         consumer.ack(first)
@@ -186,35 +175,6 @@ def test_seek_refuses_what_redis_refuses_and_nothing_moves(broker: redisq.Broker
         assert time.monotonic() - started >= 0.25
         consumer.seek(0, MAX_STREAM_ID)  # the largest ID is one Redis takes: nothing there
         assert consumer.poll(timeout=0.3) == []
-
-
-@aio
-async def test_seek_refuses_what_redis_refuses_and_nothing_moves_asyncio(env: Env) -> None:
-    offsets = send_values_after_create(env.sync, "t", ["m0", "m1", "m2", "m3"])
-    async with env.connect() as broker:
-        async with broker.consumer("t", "g", **FAST) as consumer:
-            first = await consumer.poll(timeout=10, max_messages=2)
-            assert values(first) == ["m0", "m1"]
-            await consumer.ack(first)
-            await consumer.commit()
-            assert await consumer.committed(0) == offsets[1]
-            for offset in REFUSED_BY_REDIS:
-                with pytest.raises(InvalidConfig, match="expected a stream ID"):
-                    consumer.seek(0, offset)
-                assert consumer.position(0) == offsets[1]
-            await consumer.commit()
-            assert await consumer.committed(0) == offsets[1]
-            rest = await consumer.poll(timeout=10)
-            assert values(rest) == ["m2", "m3"]
-            await consumer.ack(rest)
-            started = time.monotonic()
-            assert await consumer.poll(timeout=0.3) == []
-            assert time.monotonic() - started >= 0.25
-
-
-def send_values_after_create(broker: redisq.Broker, topic: str, items: list[str]) -> list[str]:
-    broker.create_topic(topic, partitions=1)
-    return send_values(broker, topic, items)
 
 
 def test_a_refused_seek_from_a_handler_leaves_run_going(
@@ -257,10 +217,12 @@ def restore_stream(broker: redisq.Broker, topic: str, aside: str) -> None:
     broker.client.rename(aside, stream)
 
 
-def test_an_error_in_the_read_is_a_typed_error_and_nothing_moves(broker: redisq.Broker) -> None:
+def test_an_error_in_the_read_is_a_typed_error_and_nothing_moves(
+    api: Any, broker: redisq.Broker
+) -> None:
     broker.create_topic("t", partitions=1)
     offsets = send_values(broker, "t", ["m0", "m1", "m2"])
-    with broker.consumer("t", "g", **FAST) as consumer:
+    with api.broker.consumer("t", "g", **FAST) as consumer:
         first = consumer.poll(timeout=10, max_messages=1)
         consumer.ack(first)
         consumer.commit()
@@ -277,32 +239,14 @@ def test_an_error_in_the_read_is_a_typed_error_and_nothing_moves(broker: redisq.
         assert values(rest) == ["m1", "m2"]
 
 
-@aio
-async def test_an_error_in_the_read_is_a_typed_error_and_nothing_moves_asyncio(env: Env) -> None:
-    offsets = send_values_after_create(env.sync, "t", ["m0", "m1", "m2"])
-    async with env.connect() as broker:
-        async with broker.consumer("t", "g", **FAST) as consumer:
-            first = await consumer.poll(timeout=10, max_messages=1)
-            await consumer.ack(first)
-            await consumer.commit()
-            aside = replace_stream_with_a_string(env.sync, "t")
-            try:
-                with pytest.raises(RedisqError, match="t/0.*WRONGTYPE") as raised:
-                    await consumer.poll(timeout=0.5)
-                assert not isinstance(raised.value, TypeError)
-            finally:
-                restore_stream(env.sync, "t", aside)
-            assert await consumer.committed(0) == offsets[0]
-            assert consumer.position(0) == offsets[0]
-            assert values(await consumer.poll(timeout=10)) == ["m1", "m2"]
-
-
 # -- 3. an entry at the largest stream ID --------------------------------------------------------
-def test_an_entry_at_the_largest_id_is_polled_once_then_nothing(broker: redisq.Broker) -> None:
+def test_an_entry_at_the_largest_id_is_polled_once_then_nothing(
+    api: Any, broker: redisq.Broker
+) -> None:
     broker.create_topic("t", partitions=1)
     send_values(broker, "t", ["before"])
     xadd_at_max_id(broker, "t")
-    with broker.consumer("t", "g", **FAST) as consumer:
+    with api.broker.consumer("t", "g", **FAST) as consumer:
         got, errors = poll_all(consumer, 1.5)
         assert errors == []
         assert values(got) == ["before", "foreign"]
@@ -313,60 +257,30 @@ def test_an_entry_at_the_largest_id_is_polled_once_then_nothing(broker: redisq.B
         assert consumer.poll(timeout=0.3) == []
         assert time.monotonic() - started >= 0.25  # the timeout is kept: no error loop
     # The next member resumes from the committed largest ID: nothing, no error.
-    with broker.consumer("t", "g", **FAST) as consumer:
+    with api.broker.consumer("t", "g", **FAST) as consumer:
         got, errors = poll_all(consumer, 1.0)
         assert (got, errors) == ([], [])
 
 
 def test_an_entry_at_the_largest_id_is_run_once(
-    broker: redisq.Broker, caplog: pytest.LogCaptureFixture
+    api: Any, broker: redisq.Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """On the asyncio API the handler is a coroutine function awaited on the loop."""
     broker.create_topic("t", partitions=1)
     send_values(broker, "t", ["before"])
     xadd_at_max_id(broker, "t")
     handled: list[str] = []
+    handler = coroutine_on_asyncio(api, lambda m: handled.append(m.value.decode()))
     with caplog.at_level(logging.ERROR, logger="redisq"):
-        with broker.consumer("t", "g", **FAST) as consumer:
-            consumer.run(lambda m: handled.append(m.value.decode()), timeout=2.0)
-        with broker.consumer("t", "g", **FAST) as consumer:
-            consumer.run(lambda m: handled.append(m.value.decode()), timeout=1.0)
+        with api.broker.consumer("t", "g", **FAST) as consumer:
+            consumer.run(handler, timeout=2.0)
+        # The second member resumes at the largest ID.
+        with api.broker.consumer("t", "g", **FAST) as consumer:
+            consumer.run(handler, timeout=1.0)
     assert handled == ["before", "foreign"]
     assert worker_failures(caplog) == []
     group = broker.client.xinfo_groups(broker.keys.log("t", 0))[0]
     assert group["last-delivered-id"].decode() == MAX_STREAM_ID
-
-
-@aio
-async def test_an_entry_at_the_largest_id_is_polled_and_run_once_asyncio(env: Env) -> None:
-    send_values_after_create(env.sync, "t", ["before"])
-    xadd_at_max_id(env.sync, "t")
-    async with env.connect() as broker:
-        async with broker.consumer("t", "gp", **FAST) as consumer:
-            got, errors = await apoll_all(consumer, 1.5)
-            assert errors == []
-            assert values(got) == ["before", "foreign"]
-            await consumer.commit()
-            assert await consumer.committed(0) == MAX_STREAM_ID
-            started = time.monotonic()
-            assert await consumer.poll(timeout=0.3) == []
-            assert time.monotonic() - started >= 0.25
-        handled: list[str] = []
-        failures: list[logging.LogRecord] = []
-        catcher = logging.Handler(logging.ERROR)
-        catcher.emit = failures.append  # type: ignore[method-assign]
-        logging.getLogger("redisq").addHandler(catcher)
-        try:
-            for _ in range(2):  # the second member resumes at the largest ID
-                async with broker.consumer("t", "gr", **FAST) as consumer:
-
-                    async def handle(message: Message) -> None:
-                        handled.append(message.value.decode())
-
-                    await consumer.run(handle, timeout=1.5)
-        finally:
-            logging.getLogger("redisq").removeHandler(catcher)
-        assert handled == ["before", "foreign"]
-        assert [r.getMessage() for r in failures if "worker failed" in r.getMessage()] == []
 
 
 def test_reset_offsets_around_an_entry_at_the_largest_id(broker: redisq.Broker) -> None:
@@ -397,13 +311,14 @@ def test_reset_offsets_around_an_entry_at_the_largest_id(broker: redisq.Broker) 
 
 
 # -- 4. committed() of a partition or topic the consumer does not read ---------------------------
-def test_committed_refuses_what_seek_refuses(broker: redisq.Broker) -> None:
+def test_committed_refuses_what_seek_refuses(api: Any, broker: redisq.Broker) -> None:
     broker.create_topic("t", partitions=2)
     broker.create_topic("other", partitions=1)
     offsets = send_values(broker, "t", ["m0"])
-    with broker.consumer("t", "g", **FAST) as consumer:
+    with api.broker.consumer("t", "g", **FAST) as consumer:
         consumer.ack(consumer.poll(timeout=10))
         consumer.commit()
+        wait_until(lambda: consumer.assignment == [0, 1], what="the leases")
         assert consumer.committed(0) == offsets[0]
         assert consumer.committed(("t", 1)) in (None, "0-0")
         for partition in (2, -1, "x"):
@@ -419,45 +334,16 @@ def test_committed_refuses_what_seek_refuses(broker: redisq.Broker) -> None:
         assert consumer.committed(0) == offsets[0]
 
 
-@aio
-async def test_committed_refuses_what_seek_refuses_asyncio(env: Env) -> None:
-    env.sync.create_topic("other", partitions=1)
-    offsets = send_values_after_create(env.sync, "t", ["m0"])
-    async with env.connect() as broker:
-        async with broker.consumer("t", "g", **FAST) as consumer:
-            await consumer.ack(await consumer.poll(timeout=10))
-            await consumer.commit()
-            await wait_until(lambda: consumer.assignment == [0], what="the lease")
-            assert await consumer.committed(0) == offsets[0]
-            for partition in (1, -1, "x"):
-                with pytest.raises(PartitionOutOfRange):
-                    await consumer.committed(partition)  # type: ignore[arg-type]
-            for tp in (("nope", 0), ("other", 0)):
-                with pytest.raises(InvalidConfig, match="not read by group"):
-                    await consumer.committed(tp)
-            assert await consumer.committed(0) == offsets[0]
-
-
 def test_decoding_an_entry_at_the_largest_id() -> None:
     (message,) = decode_entries("t", 0, [(MAX_STREAM_ID.encode(), [b"v", b"x"])])
     assert type(message) is Message and message.offset == MAX_STREAM_ID
 
 
-def test_read_pages_past_an_entry_at_the_largest_id(broker: redisq.Broker) -> None:
+def test_read_pages_past_an_entry_at_the_largest_id(api: Any, broker: redisq.Broker) -> None:
     """Broker.read pages by "the ID after the last one": at the largest ID there is none, and
     the read ends there instead of sending a range Redis refuses."""
     broker.create_topic("t", partitions=1)
     send_values(broker, "t", ["before"])
     xadd_at_max_id(broker, "t")
-    assert values(list(broker.read("t", 0, batch=1))) == ["before", "foreign"]
-    assert values(list(broker.read("t", 0, start=MAX_STREAM_ID, batch=1))) == ["foreign"]
-
-
-@aio
-async def test_read_pages_past_an_entry_at_the_largest_id_asyncio(env: Env) -> None:
-    env.sync.create_topic("t", partitions=1)
-    send_values(env.sync, "t", ["before"])
-    xadd_at_max_id(env.sync, "t")
-    async with env.connect() as broker:
-        got = [m async for m in broker.read("t", 0, batch=1)]
-        assert values(got) == ["before", "foreign"]
+    assert values(list(api.broker.read("t", 0, batch=1))) == ["before", "foreign"]
+    assert values(list(api.broker.read("t", 0, start=MAX_STREAM_ID, batch=1))) == ["foreign"]

@@ -1,7 +1,9 @@
-"""Parked keys, lanes and blocking on every backend, thread and asyncio consumers alike: the
-committed position never passes a message that was not handled (or acked), a parked key's
-messages wait for its release however the batch that held them ended, lanes block at the
-lowest malformed entry of a read, and poll() delivers what a release frees.
+"""Parked keys, lanes and blocking on every backend, each scenario written once and run
+through both APIs (the `api` fixture; a key parked beforehand is parked through the thread
+API): the committed position never passes a message that was not handled (or acked), a parked
+key's messages wait for its release however the batch that held them ended, lanes block at the
+lowest malformed entry of a read, and poll() delivers what a release frees. The core's part of
+it (OrderlyPartition) is also checked with no server.
 
 Each test steps through its scenario on events and on what Redis shows (describe_group), never
 on a sleep that hopes; what it asserts is what a user checks: every message handled, each key
@@ -24,8 +26,7 @@ from redisq.consume.dispatch import OrderlyPartition
 from redisq.model.offsets import offset_parts
 from redisq.model.records import Message
 from redisq.protocol.group import Grant, Lease
-from tests.aio import FAST, Env, aio
-from tests.aio import wait_until as async_wait_until
+from tests.aio import FAST
 from tests.conftest import wait_until
 from tests.consume.test_consumer import run_in_thread
 from tests.consume.test_foreign_entries import FOREIGN, xadd
@@ -97,22 +98,35 @@ class Handled:
         poison(message)
         self.values.append(message.value)
 
+    async def handle(self, message: Message) -> None:
+        """The same as a coroutine function, awaited on the asyncio API's loop (a gate's wait
+        does not hold the loop)."""
+        if message.value in self.gates:
+            self.started[message.value].set()
+            assert await asyncio.to_thread(self.gates[message.value].wait, GATE_S)
+        poison(message)
+        self.values.append(message.value)
+
+    def on(self, api: Any) -> Callable[[Message], Any]:
+        """The handler for the API under test: on the asyncio API, the coroutine function."""
+        return self.handle if api.name == "async" else self
+
     def of(self, prefix: bytes) -> list[bytes]:
         return keyed(self.values, prefix)
 
 
 # -- poll --------------------------------------------------------------------------------------
-def test_poll_close_before_ack_then_release(broker: redisq.Broker) -> None:
+def test_poll_close_before_ack_then_release(api: Any, broker: redisq.Broker) -> None:
     park_key_k(broker)
     a1, _k2 = send(broker, (b"A1", b"A"), (b"K2", b"K"))
-    member = broker.consumer("orders", "g", **PARK, enable_auto_commit=False)
+    member = api.broker.consumer("orders", "g", **PARK, enable_auto_commit=False)
     got = member.poll(timeout=10)
     assert [m.value for m in got] == [b"A1"]  # K2 is held behind K
     member.close()  # A1 not acked: the position must stay before it
     assert before(partition(broker).last_delivered, a1)
 
     values: list[bytes] = []
-    member = broker.consumer("orders", "g", **PARK)
+    member = api.broker.consumer("orders", "g", **PARK)
     try:
         got = member.poll(timeout=10)
         assert [m.value for m in got] == [b"A1"]  # again: it was never acked
@@ -135,41 +149,6 @@ def test_poll_close_before_ack_then_release(broker: redisq.Broker) -> None:
     assert partition(broker).held == 0
 
 
-@aio
-async def test_poll_close_before_ack_then_release_async(env: Env) -> None:
-    park_key_k(env.sync)
-    a1, _k2 = send(env.sync, (b"A1", b"A"), (b"K2", b"K"))
-    async with env.connect() as broker:
-        member = broker.consumer("orders", "g", **PARK, enable_auto_commit=False)
-        got = await member.poll(timeout=10)
-        assert [m.value for m in got] == [b"A1"]
-        await member.close()
-        assert before(partition(env.sync).last_delivered, a1)
-
-        values: list[bytes] = []
-        member = broker.consumer("orders", "g", **PARK)
-        try:
-            got = await member.poll(timeout=10)
-            assert [m.value for m in got] == [b"A1"]
-            await member.ack(got)
-            values += [m.value for m in got]
-            assert await member.poll(timeout=0.5) == []
-            assert release_key(env.sync, "orders", "g", "K") == 1
-            send(env.sync, (b"K3", b"K"), (b"A2", b"A"))
-
-            async def polled_all() -> bool:
-                got = await member.poll(timeout=0.2)
-                await member.ack(got)
-                values.extend(m.value for m in got)
-                return len(values) >= 4
-
-            await async_wait_until(polled_all, what="the released key's messages through poll()")
-        finally:
-            await member.close()
-    assert keyed(values, b"A") == [b"A1", b"A2"] and keyed(values, b"K") == [b"K2", b"K3"]
-    assert partition(env.sync).held == 0
-
-
 # -- run(): a close during a retry -------------------------------------------------------------
 SLOW_RETRY = {**PARK, "max_attempts": 5, "retry_backoff_ms": 60_000, "max_retry_backoff_ms": 60_000}
 
@@ -186,19 +165,21 @@ class FailsOnce(Handled):
         super().__call__(message)
 
 
-def test_close_during_a_retry_keeps_the_message(broker: redisq.Broker) -> None:
+def test_close_during_a_retry_keeps_the_message(api: Any, broker: redisq.Broker) -> None:
+    """The handlers are plain functions (on the asyncio API, run in a worker thread)."""
     park_key_k(broker)
     a1, _k2 = send(broker, (b"A1", b"A"), (b"K2", b"K"))
     handler = FailsOnce()
-    member = broker.consumer("orders", "g", **SLOW_RETRY)
+    member = api.broker.consumer("orders", "g", **SLOW_RETRY)
     thread = run_in_thread(member, handler)
     assert handler.failed.wait(30)  # A1 failed once: now in its retry backoff
     member.close()
     thread.join(30)
+    assert not thread.is_alive()
     assert before(partition(broker).last_delivered, a1)
 
     heir = Handled()
-    member = broker.consumer("orders", "g", **PARK)
+    member = api.broker.consumer("orders", "g", **PARK)
     thread = run_in_thread(member, heir)
     try:
         wait_until(lambda: heir.values == [b"A1"], what="A1 handled by the next member")
@@ -208,34 +189,6 @@ def test_close_during_a_retry_keeps_the_message(broker: redisq.Broker) -> None:
     finally:
         member.close()
         thread.join(30)
-
-
-@aio
-async def test_close_during_a_retry_keeps_the_message_async(env: Env) -> None:
-    park_key_k(env.sync)
-    a1, _k2 = send(env.sync, (b"A1", b"A"), (b"K2", b"K"))
-    async with env.connect() as broker:
-        handler = FailsOnce()
-        member = broker.consumer("orders", "g", **SLOW_RETRY)
-        await member.start()
-        task = asyncio.ensure_future(member.run(handler))
-        await async_wait_until(handler.failed.is_set, what="A1 failed once")
-        await member.close()
-        await asyncio.wait_for(task, 30)
-        assert before(partition(env.sync).last_delivered, a1)
-
-        heir = Handled()
-        member = broker.consumer("orders", "g", **PARK)
-        await member.start()
-        task = asyncio.ensure_future(member.run(heir))
-        try:
-            await async_wait_until(lambda: heir.values == [b"A1"], what="A1 by the next member")
-            assert partition(env.sync).held == 1
-            assert release_key(env.sync, "orders", "g", "K") == 1
-            await async_wait_until(lambda: heir.values == [b"A1", b"K2"], what="K2 after release")
-        finally:
-            await member.close()
-            await asyncio.wait_for(task, 30)
 
 
 # -- lanes: a close while a lane is busy -------------------------------------------------------
@@ -264,12 +217,14 @@ def held_recorded(broker: redisq.Broker, commit: Callable[[], Any]) -> bool:
 
 
 @pytest.mark.parametrize("parked", ["before", "in the batch"])
-def test_lanes_close_while_a_lane_is_busy(broker: redisq.Broker, parked: str) -> None:
+def test_lanes_close_while_a_lane_is_busy(api: Any, broker: redisq.Broker, parked: str) -> None:
+    """On the asyncio API the busy member's handler is a coroutine function awaited on the loop
+    (the heir's a plain function, run in a worker thread)."""
     _key_a, key_k, a1 = lanes_batch(broker, parked)
     handler = Handled()
     gate = handler.gate(b"A1")
-    member = broker.consumer("orders", "g", key_concurrency=2, **PARK)
-    thread = run_in_thread(member, handler)
+    member = api.broker.consumer("orders", "g", key_concurrency=2, **PARK)
+    thread = run_in_thread(member, handler.on(api))
     try:
         assert handler.started[b"A1"].wait(30)
         wait_until(lambda: held_recorded(broker, member.commit), what="K2 held, recorded")
@@ -282,9 +237,10 @@ def test_lanes_close_while_a_lane_is_busy(broker: redisq.Broker, parked: str) ->
         gate.set()
     closing.join(30)
     thread.join(30)
+    assert not closing.is_alive() and not thread.is_alive()
 
     heir = Handled()
-    member = broker.consumer("orders", "g", key_concurrency=2, **PARK)
+    member = api.broker.consumer("orders", "g", key_concurrency=2, **PARK)
     thread = run_in_thread(member, heir)
     try:
         wait_until(lambda: heir.of(b"A") == [b"A1", b"A2"], what="A1, A2 by the next member")
@@ -296,59 +252,6 @@ def test_lanes_close_while_a_lane_is_busy(broker: redisq.Broker, parked: str) ->
         member.close()
         thread.join(30)
     assert heir.of(b"K") == [b"K2"]  # K1 was dead-lettered: not handled again
-
-
-@pytest.mark.parametrize("parked", ["before", "in the batch"])
-@aio
-async def test_lanes_close_while_a_lane_is_busy_async(env: Env, parked: str) -> None:
-    _key_a, key_k, a1 = lanes_batch(env.sync, parked)
-    async with env.connect() as broker:
-        gate = asyncio.Event()
-        started = asyncio.Event()
-        values: list[bytes] = []
-
-        async def handler(message: Message) -> None:
-            if message.value == b"A1":
-                started.set()
-                await asyncio.wait_for(gate.wait(), GATE_S)
-            poison(message)
-            values.append(message.value)
-
-        member = broker.consumer("orders", "g", key_concurrency=2, **PARK)
-        await member.start()
-        task = asyncio.ensure_future(member.run(handler))
-        try:
-            await asyncio.wait_for(started.wait(), 30)
-
-            async def recorded() -> bool:
-                await member.commit()
-                part = partition(env.sync)
-                return part.parked_keys == 1 and part.held == 1
-
-            await async_wait_until(recorded, what="K2 held, recorded")
-            assert before(partition(env.sync).last_delivered, a1)
-            assert not member.closed
-            closing = asyncio.ensure_future(member.close())
-            await async_wait_until(lambda: member.closed, what="close() under way")
-        finally:
-            gate.set()
-        await asyncio.wait_for(closing, 30)
-        await asyncio.wait_for(task, 30)
-
-        heir = Handled()
-        member = broker.consumer("orders", "g", key_concurrency=2, **PARK)
-        await member.start()
-        task = asyncio.ensure_future(member.run(heir))
-        try:
-            await async_wait_until(lambda: heir.of(b"A") == [b"A1", b"A2"], what="A1, A2")
-            await member.commit()
-            assert heir.of(b"K") == [] and partition(env.sync).parked_keys == 1
-            assert release_key(env.sync, "orders", "g", key_k) == 1
-            await async_wait_until(lambda: heir.of(b"K")[-1:] == [b"K2"], what="K2 after release")
-        finally:
-            await member.close()
-            await asyncio.wait_for(task, 30)
-    assert heir.of(b"K") == [b"K2"]
 
 
 # -- lanes: policy block on two malformed entries ----------------------------------------------
@@ -374,13 +277,15 @@ def blocked_at(broker: redisq.Broker, offset: str) -> Callable[[], bool]:
     return lambda: partition(broker).blocked_offset == offset
 
 
-def test_lanes_block_at_the_lowest_malformed_entry(broker: redisq.Broker) -> None:
+def test_lanes_block_at_the_lowest_malformed_entry(api: Any, broker: redisq.Broker) -> None:
+    """On the asyncio API the handler is a coroutine function awaited on the loop (the heir's
+    a plain function, run in a worker thread)."""
     offsets = block_batch(broker)
     log = broker.keys.log("orders", 0)
     handler = Handled()
     gate = handler.gate(b"A5")  # lane 0 reaches M2 only after the partition showed its block
-    member = broker.consumer("orders", "g", **BLOCK)
-    thread = run_in_thread(member, handler)
+    member = api.broker.consumer("orders", "g", **BLOCK)
+    thread = run_in_thread(member, handler.on(api))
     try:
         wait_until(blocked_at(broker, offsets["M1"]), what="blocked at M1")
         gate.set()
@@ -396,51 +301,11 @@ def test_lanes_block_at_the_lowest_malformed_entry(broker: redisq.Broker) -> Non
         thread.join(30)
     assert partition(broker).last_delivered == offsets["Z"]
     heir = Handled()
-    with broker.consumer("orders", "g", **BLOCK) as member:
+    with api.broker.consumer("orders", "g", **BLOCK) as member:
         member.run(heir, idle_timeout=0.5)
     assert heir.values == []  # nothing left behind
     assert handler.of(b"A") == A_ALL and handler.of(b"X") == [b"X"]
     assert handler.of(b"Z") == [b"Z"]
-
-
-@aio
-async def test_lanes_block_at_the_lowest_malformed_entry_async(env: Env) -> None:
-    offsets = block_batch(env.sync)
-    log = env.sync.keys.log("orders", 0)
-    gate = asyncio.Event()
-    values: list[bytes] = []
-
-    async def handler(message: Message) -> None:
-        if message.value == b"A5":
-            await asyncio.wait_for(gate.wait(), GATE_S)
-        values.append(message.value)
-
-    def of(prefix: bytes) -> list[bytes]:
-        return keyed(values, prefix)
-
-    async with env.connect() as broker:
-        member = broker.consumer("orders", "g", **BLOCK)
-        await member.start()
-        task = asyncio.ensure_future(member.run(handler))
-        try:
-            await async_wait_until(blocked_at(env.sync, offsets["M1"]), what="blocked at M1")
-            gate.set()
-            assert values == [b"A0"]
-            env.sync.client.xdel(log, offsets["M1"])
-            await async_wait_until(blocked_at(env.sync, offsets["M2"]), what="blocked at M2")
-            assert of(b"A") == A_ALL and of(b"X") == [b"X"]
-            env.sync.client.xdel(log, offsets["M2"])
-            await async_wait_until(lambda: of(b"Z") == [b"Z"], what="Z after M2 is gone")
-        finally:
-            gate.set()
-            await member.close()
-            await asyncio.wait_for(task, 30)
-        assert partition(env.sync).last_delivered == offsets["Z"]
-        heir: list[Message] = []
-        member = broker.consumer("orders", "g", **BLOCK)
-        await member.run(heir.append, idle_timeout=0.5)
-    assert heir == []
-    assert of(b"A") == A_ALL and of(b"X") == [b"X"] and of(b"Z") == [b"Z"]
 
 
 # -- the core, with no server ------------------------------------------------------------------
@@ -465,8 +330,8 @@ def test_lanes_meeting_two_malformed_entries_block_at_the_lower(order: list[str]
 def test_held_messages_are_passed_once_what_came_before_them_is_done() -> None:
     reader = reader_at("1-0")
     reader.parked = {b"K"}
-    read = [message(o, k) for o, k in [("2-0", b"K"), ("3-0", b"A"), ("4-0", b"K"),
-                                      ("5-0", b"K"), ("6-0", b"A"), ("7-0", b"K")]]  # fmt: skip
+    keys = [b"K", b"A", b"K", b"K", b"A", b"K"]
+    read = [message(f"{n}-0", key) for n, key in enumerate(keys, start=2)]  # 2-0 .. 7-0
     assert [m.offset for m in reader.admit(read, 0.0)] == ["3-0", "6-0"]
     assert reader.done == "2-0"  # held at the head of the read: nothing before it outstanding
     commit = reader.take_commit()

@@ -1,5 +1,7 @@
-"""A server that stops answering (SIGSTOP), thread and asyncio APIs, Valkey and Redis, servers
-of the test's own: sends keep their delivery timeout, and close(timeout=...) its timeout.
+"""A server that stops answering (SIGSTOP), Valkey and Redis, servers of the test's own: sends
+keep their delivery timeout, and close(timeout=...) its timeout. Sends and close() are written
+once and run through both APIs (tests/apis.py; a local `api` fixture on that server); the
+producer's scheduler at close and close() from on_revoke, on the thread API.
 
 After a send fails with DeliveryTimeout the producer takes a new epoch and fences it before it
 sends again; while the server is silent that round trip waits for the client's socket timeout
@@ -27,9 +29,8 @@ from typing import Any
 import pytest
 
 import redisq
-import redisq.asyncio as rq
 from redisq.errors import DeliveryTimeout, ProducerClosed
-from tests.aio import aio
+from tests.apis import open_api
 from tests.conftest import wait_until
 from tests.servers import ServerProcess, binary_for, start_cluster
 
@@ -57,6 +58,18 @@ def broker(server: ServerProcess) -> Iterator[redisq.Broker]:
     broker.create_topic(DELAYED, partitions=2)
     yield broker
     broker.close()
+
+
+@pytest.fixture(params=["sync", "async"])
+def api(
+    request: pytest.FixtureRequest, server: ServerProcess, broker: redisq.Broker
+) -> Iterator[Any]:
+    """Both APIs (tests/apis.py) on the test's own server, in the `broker` fixture's namespace."""
+    driver = open_api(str(request.param), server.url, broker.namespace)
+    try:
+        yield driver
+    finally:
+        driver.shutdown()
 
 
 @contextmanager
@@ -94,73 +107,47 @@ def check_delivery_timeout(error: BaseException | None, elapsed: float) -> None:
     assert DELIVERY_TIMEOUT_MS / 1000 * 0.9 <= elapsed < DELIVERY_LIMIT_S, f"after {elapsed:.1f} s"
 
 
-def outcome(future: Any) -> BaseException | None:
-    """What a send's future ended with within DELIVERY_LIMIT_S (None: acknowledged)."""
+async def within(future: Any, seconds: float) -> Any:
+    return await asyncio.wait_for(asyncio.shield(future), seconds)
+
+
+def outcome(api: Any, future: Any) -> BaseException | None:
+    """What a send's future (either API's) ended with within DELIVERY_LIMIT_S (None:
+    acknowledged; a TimeoutError: still pending then)."""
     try:
-        future.result(timeout=DELIVERY_LIMIT_S)
+        if api.name == "async":
+            api.broker.await_(within(future, DELIVERY_LIMIT_S))
+        else:
+            future.result(timeout=DELIVERY_LIMIT_S)
     except Exception as exc:
         return exc
     return None
 
 
-async def async_producer(
-    url: str, namespace: str, topic: str, delayed: bool, delivery_timeout_ms: int
-) -> tuple[Any, Any]:
-    """An asyncio client and producer whose first send (to topic) was acknowledged."""
-    client = await rq.connect(url, namespace=namespace)
-    producer = client.producer(delivery_timeout_ms=delivery_timeout_ms)
-    await producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
-    return client, producer
-
-
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
 def test_sends_after_a_delivery_timeout_fail_in_time(
-    server: ServerProcess, broker: redisq.Broker, delayed: bool
+    api: Any, server: ServerProcess, delayed: bool
 ) -> None:
     topic = DELAYED if delayed else TOPIC
-    producer = broker.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
+    producer = api.broker.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
     producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
     with silent(server):
         for i in range(3):  # the first fails; a new epoch is pending for the others
             started = time.monotonic()
             future = producer.send_async(topic, b"x%d" % i, key=b"k", **delay_of(delayed))
-            check_delivery_timeout(outcome(future), time.monotonic() - started)
+            check_delivery_timeout(outcome(api, future), time.monotonic() - started)
     after = producer.send(topic, b"after", key=b"k", timeout=30, **delay_of(delayed))
     assert not after.duplicate
     producer.close(timeout=10)
-
-
-@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
-@aio
-async def test_async_sends_after_a_delivery_timeout_fail_in_time(
-    server: ServerProcess, broker: redisq.Broker, delayed: bool
-) -> None:
-    topic = DELAYED if delayed else TOPIC
-    client, producer = await async_producer(
-        server.url, broker.namespace, topic, delayed, DELIVERY_TIMEOUT_MS
-    )
-    with silent(server):
-        for i in range(3):
-            started = time.monotonic()
-            future = producer.send_async(topic, b"x%d" % i, key=b"k", **delay_of(delayed))
-            done, _ = await asyncio.wait({future}, timeout=DELIVERY_LIMIT_S)
-            error = future.exception() if done else None
-            check_delivery_timeout(error, time.monotonic() - started)
-    after = await producer.send(topic, b"after", key=b"k", timeout=30, **delay_of(delayed))
-    assert not after.duplicate
-    await producer.close(timeout=10)
-    await client.close()
 
 
 # -- producers: close ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
-def test_producer_close_on_silent_server(
-    server: ServerProcess, broker: redisq.Broker, delayed: bool
-) -> None:
+def test_producer_close_on_silent_server(api: Any, server: ServerProcess, delayed: bool) -> None:
     topic = DELAYED if delayed else TOPIC
-    producer = broker.producer(delivery_timeout_ms=60_000)
+    producer = api.broker.producer(delivery_timeout_ms=60_000)
     producer.send(topic, b"warm", key=b"k", timeout=10, **delay_of(delayed))
     with silent(server):
         future = producer.send_async(topic, b"late", key=b"k", **delay_of(delayed))
@@ -186,24 +173,6 @@ def test_producer_close_with_idle_scheduler_on_silent_server(
         started = time.monotonic()
         producer.close(timeout=TIMEOUT_S)
         check_closed_in_time(started)
-
-
-@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
-@aio
-async def test_async_producer_close_on_silent_server(
-    server: ServerProcess, broker: redisq.Broker, delayed: bool
-) -> None:
-    topic = DELAYED if delayed else TOPIC
-    client, producer = await async_producer(server.url, broker.namespace, topic, delayed, 60_000)
-    with silent(server):
-        future = producer.send_async(topic, b"late", key=b"k", **delay_of(delayed))
-        await asyncio.sleep(0.1)  # on the wire
-        started = time.monotonic()
-        with pytest.raises(TimeoutError, match="unacknowledged"):
-            await producer.close(timeout=TIMEOUT_S)
-        check_closed_in_time(started)
-        check_failed_closed(future)
-    await client.close()
 
 
 # -- consumers -----------------------------------------------------------------------------------
@@ -232,41 +201,22 @@ def drain(broker: redisq.Broker, group: str, mode: str, wanted: set[bytes]) -> s
 
 @pytest.mark.parametrize("mode", ["orderly", "concurrent"])
 def test_consumer_close_on_silent_server(
-    server: ServerProcess, broker: redisq.Broker, mode: str
+    api: Any, server: ServerProcess, broker: redisq.Broker, mode: str
 ) -> None:
     sent = produce_ten(broker)
-    consumer = broker.consumer(TOPIC, "g", mode=mode, **FAST)
+    consumer = api.broker.consumer(TOPIC, "g", mode=mode, **FAST)
     handled: set[bytes] = set()
-    wait_until(lambda: handled.update(m.value for m in consumer.poll(timeout=0.2)) or handled)
+    wait_until(
+        lambda: handled.update(m.value for m in consumer.poll(timeout=0.2)) or handled,
+        timeout=30,
+        what="a first poll",
+    )
     with silent(server):
         started = time.monotonic()
         consumer.close(timeout=TIMEOUT_S)
         check_closed_in_time(started)
     # Nothing lost: what the closed member did not commit comes to the next one.
     assert sent <= handled | drain(broker, "g", mode, sent - handled)
-
-
-@pytest.mark.parametrize("mode", ["orderly", "concurrent"])
-@aio
-async def test_async_consumer_close_on_silent_server(
-    server: ServerProcess, broker: redisq.Broker, mode: str
-) -> None:
-    sent = produce_ten(broker)
-    client = await rq.connect(server.url, namespace=broker.namespace)
-    consumer = client.consumer(TOPIC, "g", mode=mode, **FAST)
-    await consumer.__aenter__()
-    handled: set[bytes] = set()
-    deadline = time.monotonic() + 30
-    while not handled and time.monotonic() < deadline:
-        handled |= {m.value for m in await consumer.poll(timeout=0.2)}
-    assert handled
-    with silent(server):
-        started = time.monotonic()
-        await consumer.close(timeout=TIMEOUT_S)
-        check_closed_in_time(started)
-    wanted = sent - handled
-    assert sent <= handled | await asyncio.to_thread(drain, broker, "g", mode, wanted)
-    await client.close()
 
 
 # -- close() from on_revoke ----------------------------------------------------------------------
@@ -305,49 +255,36 @@ def cluster() -> Iterator[list[ServerProcess]]:
         node.stop()
 
 
-def stopped_node_partition(broker: redisq.Broker, node: ServerProcess) -> int:
+@pytest.fixture(params=["sync", "async"])
+def cluster_api(request: pytest.FixtureRequest, cluster: list[ServerProcess]) -> Iterator[Any]:
+    """Both APIs (tests/apis.py) on the cluster, namespace "sn"."""
+    driver = open_api(str(request.param), f"redis://127.0.0.1:{cluster[0].port}", "sn")
+    try:
+        yield driver
+    finally:
+        driver.shutdown()
+
+
+def stopped_node_partition(broker: Any, node: ServerProcess) -> int:
     partitions = broker.describe_topic(TOPIC).partitions
     return next(p.partition for p in partitions if p.node == f"127.0.0.1:{node.port}")
 
 
 @pytest.mark.cluster
-def test_send_to_a_silent_cluster_node_fails_in_time(cluster: list[ServerProcess]) -> None:
+def test_send_to_a_silent_cluster_node_fails_in_time(
+    cluster: list[ServerProcess], cluster_api: Any
+) -> None:
     """After a connection error the slot map is read again; when the node asked first is the
     silent one that read waits for the client's socket timeout (30 s), and the sender used to
     wait with it: a send to the silent node failed after 32 s with delivery_timeout_ms=1500."""
-    broker = redisq.connect(f"redis://127.0.0.1:{cluster[0].port}", namespace="sn")
-    broker.create_topic(TOPIC, partitions=6)
-    partition = stopped_node_partition(broker, cluster[0])
-    with broker.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS) as producer:
+    api = cluster_api
+    api.broker.create_topic(TOPIC, partitions=6)
+    partition = stopped_node_partition(api.broker, cluster[0])
+    with api.broker.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS) as producer:
         producer.send(TOPIC, b"warm", partition=partition, timeout=10)
         with silent(cluster[0]):
             for i in range(2):
                 started = time.monotonic()
                 future = producer.send_async(TOPIC, b"x%d" % i, partition=partition)
-                check_delivery_timeout(outcome(future), time.monotonic() - started)
+                check_delivery_timeout(outcome(api, future), time.monotonic() - started)
         assert not producer.send(TOPIC, b"after", partition=partition, timeout=30).duplicate
-    broker.close()
-
-
-@pytest.mark.cluster
-@aio
-async def test_async_send_to_a_silent_cluster_node_fails_in_time(
-    cluster: list[ServerProcess],
-) -> None:
-    url = f"redis://127.0.0.1:{cluster[0].port}"
-    sync = redisq.connect(url, namespace="sn")
-    sync.create_topic(TOPIC, partitions=6)
-    partition = stopped_node_partition(sync, cluster[0])
-    sync.close()
-    client = await rq.connect(url, namespace="sn")
-    producer = client.producer(delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
-    await producer.send(TOPIC, b"warm", partition=partition, timeout=10)
-    with silent(cluster[0]):
-        for i in range(2):
-            started = time.monotonic()
-            future = producer.send_async(TOPIC, b"x%d" % i, partition=partition)
-            done, _ = await asyncio.wait({future}, timeout=DELIVERY_LIMIT_S)
-            check_delivery_timeout(future.exception() if done else None, time.monotonic() - started)
-    assert not (await producer.send(TOPIC, b"after", partition=partition, timeout=30)).duplicate
-    await producer.close(timeout=10)
-    await client.close()
