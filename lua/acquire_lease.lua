@@ -8,7 +8,7 @@ KEYS[4]  the group's partition state hash       <ns>:{<topic>:<p>}:gstate:<group
 ARGV[1]  group name
 ARGV[2]  member name
 ARGV[3]  lease_ttl_ms
-ARGV[4]  the group's start id ("0" or "<created_ms>-0"), used if the Redis consumer group
+ARGV[4]  the group's start id ("0" or "<created_ms>-<max seq>"), used if the Redis consumer group
          does not exist on this stream yet
 ARGV[5]  optional: the request id, random per acquire attempt of one consumer instance; the
          instance sends the same id again when it got no answer (a connection lost after the

@@ -3,7 +3,7 @@
 
 KEYS[1]  the partition stream   <ns>:{<topic>:<p>}:log
 ARGV[1]  group name
-ARGV[2]  the group's start id ("0" or "<created_ms>-0")
+ARGV[2]  the group's start id ("0" or "<created_ms>-<max seq>")
 
 Returns 1 if created, 0 if it existed.
 Error replies

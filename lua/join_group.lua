@@ -10,7 +10,10 @@ ARGV[4]  member name
 ARGV[5]  failure policy (stored for describe; the last member to join wins)
 
 The group's start position is fixed here, once, from server time: "0" for earliest,
-"<now_ms>-0" for latest. Every member and partition uses the stored value.
+"<now_ms>-18446744073709551615" for latest: after every entry of the join's millisecond (an XADD
+of that millisecond may have come before the join; the client waits for the server's clock to
+leave it before it returns, so what its user sends afterwards comes after). Every member and
+partition uses the stored value.
 
 Returns {created (1|0), start_id, now_ms}.
 Error replies
@@ -24,7 +27,7 @@ local start_id = stored[2]
 if not stored[1] then
   start_id = '0'
   if ARGV[3] == 'latest' then
-    start_id = string.format('%.0f', now_ms) .. '-0'
+    start_id = string.format('%.0f', now_ms) .. '-18446744073709551615'
   end
   redis.call('HSET', KEYS[2], 'mode', ARGV[2], 'start', ARGV[3], 'start_id', start_id,
     'created_ms', string.format('%.0f', now_ms))

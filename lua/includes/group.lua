@@ -2,7 +2,7 @@
 
 -- ensure_group(stream, group, start_id)
 --   Creates the Redis consumer group `group` on `stream` unless it exists. start_id is "0"
---   (earliest) or "<created_ms>-0" (latest: what was appended after the group was created).
+--   (earliest) or "<created_ms>-<max seq>" (latest: what was appended after the group was created).
 --   For "latest", "$" is used when nothing newer than start_id exists yet: the same position,
 --   and Redis then knows entries-read, so XINFO GROUPS can report the lag.
 --   Returns 1 if created, 0 if it existed.

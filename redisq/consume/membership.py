@@ -20,9 +20,13 @@ from typing import TYPE_CHECKING
 from redisq.model.keys import validate_name, validate_topic
 from redisq.protocol import group as calls
 from redisq.protocol.group import Grant, Lease
+from redisq.runtime import sleep
 
 if TYPE_CHECKING:
     from redisq.server.handle import BrokerHandle as Broker
+
+# Long enough for the server's clock to pass the millisecond it joined in.
+JOIN_MS_PASSED_S = 0.002
 
 log = logging.getLogger("redisq.group")
 
@@ -73,6 +77,10 @@ class GroupMembership:
                 policy=self.policy,
             )
         )
+        if created and self.start == "latest":
+            # The group starts after the join's millisecond (join_group.lua): once the server's
+            # clock has left it, whatever the caller sends next comes after the start.
+            sleep(JOIN_MS_PASSED_S)
         return created
 
     def heartbeat(self) -> list[str]:

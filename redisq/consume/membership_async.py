@@ -18,9 +18,13 @@ from typing import TYPE_CHECKING
 from redisq.model.keys import validate_name, validate_topic
 from redisq.protocol import group as calls
 from redisq.protocol.group import Grant, Lease
+from redisq.runtime import asleep
 
 if TYPE_CHECKING:
     from redisq.server.handle_async import AsyncBrokerHandle as Broker
+
+# Long enough for the server's clock to pass the millisecond it joined in.
+JOIN_MS_PASSED_S = 0.002
 
 log = logging.getLogger("redisq.group")
 
@@ -71,6 +75,10 @@ class GroupMembership:
                 policy=self.policy,
             )
         )
+        if created and self.start == "latest":
+            # The group starts after the join's millisecond (join_group.lua): once the server's
+            # clock has left it, whatever the caller sends next comes after the start.
+            await asleep(JOIN_MS_PASSED_S)
         return created
 
     async def heartbeat(self) -> list[str]:

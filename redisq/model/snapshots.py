@@ -116,7 +116,7 @@ class GroupSnapshot:
     dead_letter_topic: str
     dead_letters_waiting: int  # messages in the dead-letter topic now
     now_ms: int
-    start_id: str = "0"  # where the group starts: "0", or "<created_ms>-0" (start="latest")
+    start_id: str = "0"  # where the group starts: "0", or "<created_ms>-<max seq>" (start="latest")
 
     @property
     def lag(self) -> int | None:

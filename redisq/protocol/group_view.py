@@ -239,7 +239,7 @@ def count_unknown_lags(
 
 # -- the lag of a partition the group has not read -------------------------------------------------
 def start_id_of(stored: str | None) -> str:
-    """The group's stored start id (join_group.lua: "0", or "<created_ms>-0"); "0" for one
+    """The group's stored start id (join_group.lua: "0", or "<created_ms>-<max seq>"); "0" for one
     that is not a stream ID (not written by redisq)."""
     try:
         return "0" if stored is None or offset_parts(stored) == (0, 0) else stored
@@ -250,8 +250,9 @@ def start_id_of(stored: str | None) -> str:
 def start_position(start_id: str, last_entry: str | None) -> str:
     """Where a group that has not read a partition yet starts on it, as its first reader creates
     its Redis consumer group there (ensure_group, lua/includes/group.lua): "0-0" for a group
-    that starts at the earliest; for one that starts at the latest ("<created_ms>-0"), that ID,
-    or the newest entry while no entry is newer than that millisecond (XGROUP CREATE ... $)."""
+    that starts at the earliest; for one that starts at the latest ("<created_ms>-<max seq>"),
+    that ID, or the newest entry while no entry is newer than that millisecond (XGROUP CREATE
+    ... $)."""
     start = offset_parts(start_id)
     if start == (0, 0):
         return "0-0"
