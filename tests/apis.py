@@ -185,9 +185,24 @@ class AsyncAPI:
         try:
             self.broker.close()
         finally:
+            # As asyncio.run() ends: what close(timeout) left going on in the background is
+            # cancelled and awaited before the loop stops (not left to find it closed).
+            ending = asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop)
+            try:
+                ending.result(15)
+            except Exception:  # noqa: BLE001 - the loop is stopped below all the same
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self.loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=10)
 
 
 def open_api(name: str, url: str, namespace: str, **options: Any) -> SyncAPI | AsyncAPI:
