@@ -44,7 +44,7 @@ from redisq.model.offsets import MAX_STREAM_ID_PART, offset_at
 from redisq.model.records import RecordMetadata, batch_metadata
 from redisq.model.stats import ProducerStats
 from redisq.model.topic import TopicConfig
-from redisq.protocol.produce import BatchResult
+from redisq.protocol.produce import BatchResult, messages_per_call
 
 PartitionKey = tuple[str, int]
 
@@ -91,6 +91,7 @@ class Batch:
         "body",
         "body_count",
         "waiter",
+        "limit",
     )
 
     def __init__(self, config: TopicConfig, partition: int, layout: str, now: float) -> None:
@@ -117,6 +118,7 @@ class Batch:
         self.body: bytes | None = None
         self.body_count = 0
         self.waiter: Any = None  # the driver's (an Event and callbacks, or asyncio futures)
+        self.limit = 0  # the most messages it may hold (ProducerCore.append sets it)
 
     def metadata(self, index: int) -> RecordMetadata:
         flags = self.dup_flags
@@ -183,6 +185,7 @@ class ProducerCore:
         self._on_sealed = on_sealed
         # Sequence numbers count messages; in message_id mode they count batches.
         self._per_message_seq = settings.mode == "sequence"
+        self._limits: dict[str, int] = {}  # batch size limit per layout (_limit_for)
         # Without idempotence the broker detects no gap: one batch in flight per partition keeps
         # the order when a batch fails and a later one would have succeeded.
         self._max_in_flight = settings.max_in_flight if settings.mode else 1
@@ -232,7 +235,7 @@ class ProducerCore:
         opened = False
         if batch is not None and (
             batch.layout != layout
-            or batch.count >= self._max_batch_messages
+            or batch.count >= batch.limit
             or batch.nbytes + size > self._max_batch_bytes
             or batch.config is not config
         ):
@@ -240,6 +243,7 @@ class ProducerCore:
             batch = None
         if batch is None:
             batch = state.open = Batch(config, partition, layout, now)
+            batch.limit = self._limits.get(layout) or self._limit_for(layout)
             opened = True
         if isinstance(parts, bytes):
             batch.args.append(parts)
@@ -250,9 +254,16 @@ class ProducerCore:
         batch.nbytes += size
         self.buffered += 1
         self.stats.sent += 1
-        if index + 1 >= self._max_batch_messages:
+        if index + 1 >= batch.limit:
             self.seal(state)
         return batch, index, opened
+
+    def _limit_for(self, layout: str) -> int:
+        """max_batch_messages, or fewer where that many would not fit one script call: each
+        message takes an argument per layout letter, plus its sequence number (sequence mode)."""
+        per_message = len(layout) + (1 if self._per_message_seq else 0)
+        limit = self._limits[layout] = min(self._max_batch_messages, messages_per_call(per_message))
+        return limit
 
     def seal(self, state: PartitionState) -> None:
         """Freeze the open batch and give it its base sequence."""

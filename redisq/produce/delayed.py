@@ -43,7 +43,7 @@ from redisq.model.topic import TopicConfig
 from redisq.produce.encoder import MessageEncoder, ack_failure
 from redisq.protocol import Step
 from redisq.protocol import schedule as calls
-from redisq.protocol.produce import ProducerIdentity, replicated
+from redisq.protocol.produce import ProducerIdentity, messages_per_call, replicated
 from redisq.protocol.rounds import DeadlineReached
 from redisq.protocol.schedule import Scheduled, ScheduleResult
 from redisq.schedule.core import NETWORK_ERRORS
@@ -191,7 +191,8 @@ class DelayedCore:
         self.settings = settings
         self.stats = stats if stats is not None else ProducerStats()  # the producer's counters
         self._on_sealed = on_sealed  # keyless messages move on to the next partition
-        self._max_messages = settings.max_batch_messages
+        # schedule.lua takes 4 arguments per message (id, delay, due time, payload).
+        self._max_messages = min(settings.max_batch_messages, messages_per_call(4))
         self._max_bytes = settings.max_batch_bytes
         self._linger_s = settings.linger_ms / 1000
         self._timeout_s = settings.delivery_timeout_ms / 1000

@@ -31,7 +31,7 @@ from redisq.model.topic import TopicConfig
 from redisq.model.transactions import TransactionResult, TxState
 from redisq.produce.encoder import ack_failure
 from redisq.protocol.group import Lease
-from redisq.protocol.produce import BatchResult
+from redisq.protocol.produce import BatchResult, messages_per_call
 from redisq.protocol.transactions import InputPosition, StagedBatch
 from redisq.settings import ProducerSettings
 
@@ -105,7 +105,7 @@ class Staging:
         current = self._open.get(key)
         if current is not None and (
             current[0] != layout
-            or current[2] >= self.max_messages
+            or current[2] >= min(self.max_messages, messages_per_call(len(layout)))
             or current[3] + size > self.max_bytes
         ):
             self._seal(key)

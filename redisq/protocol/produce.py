@@ -21,6 +21,19 @@ from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.resp import bulk_header
 
 MODES = ("sequence", "message_id", None)
+# Managed servers cap a command's arguments (ElastiCache Serverless refuses 4,000 or more): a
+# script call, its name, key count, keys and fixed arguments included, stays below this.
+MAX_COMMAND_ARGS = 3_998
+# What a produce or schedule call carries besides its messages' arguments, with room to spare:
+# EVALSHA, the digest, the key count, up to 6 keys and up to 11 fixed arguments are 20.
+RESERVED_ARGS = 48
+
+
+def messages_per_call(args_per_message: int) -> int:
+    """The most messages one script call can carry at args_per_message arguments each."""
+    return (MAX_COMMAND_ARGS - RESERVED_ARGS) // args_per_message
+
+
 REGISTRY_TTL_MS = 7 * 24 * 3600 * 1000
 _ID_MASK = (1 << 63) - 1
 
