@@ -1,18 +1,15 @@
 """A scheduler's close() hands its leases back; a hand-back the server refuses is said, not
-dropped (the lease then runs out by itself), thread and asyncio schedulers."""
+dropped (the lease then runs out by itself). Written once, run through both APIs (the thread
+scheduler, and the asyncio one behind tests/apis.py's Bridge)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
+from typing import Any
 
 import pytest
 
 import redisq
-from redisq.schedule.scheduler import Scheduler
-from redisq.schedule.scheduler_async import Scheduler as AsyncScheduler
-from tests.aio import Env, aio
 from tests.conftest import wait_until
 
 
@@ -38,19 +35,20 @@ def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "could not hand back" in r.getMessage()]
 
 
-def holding(broker: redisq.Broker, caplog: pytest.LogCaptureFixture) -> tuple[str, Scheduler]:
-    """A thread scheduler holding the lease of scheduled(); its warnings captured."""
+def holding(api: Any, broker: redisq.Broker, caplog: pytest.LogCaptureFixture) -> tuple[str, Any]:
+    """A scheduler of the API under test holding the lease of scheduled(); its warnings
+    captured."""
     lease = scheduled(broker)
     caplog.set_level(logging.WARNING, logger="redisq.scheduler")
-    scheduler = Scheduler(broker, ["orders"])
-    wait_until(lambda: broker.client.exists(lease), what="the scheduler's lease")
+    scheduler = api.scheduler(["orders"])
+    wait_until(lambda: broker.client.exists(lease), timeout=30, what="the scheduler's lease")
     return lease, scheduler
 
 
 def test_a_refused_hand_back_is_logged(
-    broker: redisq.Broker, caplog: pytest.LogCaptureFixture
+    api: Any, broker: redisq.Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    lease, scheduler = holding(broker, caplog)
+    lease, scheduler = holding(api, broker, caplog)
     spoil(broker, lease)
     scheduler.close(timeout=10)
     (said,) = refusals(caplog)
@@ -58,30 +56,11 @@ def test_a_refused_hand_back_is_logged(
 
 
 def test_a_lease_another_client_holds_is_not_a_refusal(
-    broker: redisq.Broker, caplog: pytest.LogCaptureFixture
+    api: Any, broker: redisq.Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The lease ran out and another scheduler took it: nothing of ours to hand back."""
-    lease, scheduler = holding(broker, caplog)
+    lease, scheduler = holding(api, broker, caplog)
     broker.client.set(lease, "someone-else", px=60_000)
     scheduler.close(timeout=10)
     assert refusals(caplog) == []
     assert broker.client.get(lease) == b"someone-else"
-
-
-@aio
-async def test_a_refused_hand_back_is_logged_asyncio(
-    env: Env, caplog: pytest.LogCaptureFixture
-) -> None:
-    lease = scheduled(env.sync)
-    caplog.set_level(logging.WARNING, logger="redisq.scheduler")
-    async with env.connect() as broker:
-        scheduler = AsyncScheduler(broker, ["orders"])
-        scheduler.start()
-        deadline = time.monotonic() + 30
-        while not env.sync.client.exists(lease):
-            assert time.monotonic() < deadline, "no lease taken"
-            await asyncio.sleep(0.02)
-        spoil(env.sync, lease)
-        await scheduler.close(timeout=10)
-    (said,) = refusals(caplog)
-    assert "could not hand back 1 of its 1 leases" in said and "WRONGTYPE" in said
