@@ -28,7 +28,7 @@ from itertools import chain
 from typing import Any, Protocol
 
 from redisq.errors import RedisqError
-from redisq.model import native
+from redisq.model import batches, native
 
 _NAME_LEN = struct.Struct(">H")
 _VALUE_LEN = struct.Struct(">I")
@@ -319,11 +319,20 @@ def decode_entries_py(
     partition: int,
     entries: Sequence[Any],
     deliveries: Sequence[Any] | None = None,
+    *,
+    after: str | None = None,
+    upto: str | None = None,
+    acked: Mapping[str, bytes] | None = None,
 ) -> list[Message]:
     """Stream entries (raw flat field lists, or dicts as redis-py's callbacks give them) as
     Messages, in order; an entry that breaks the rules becomes a MalformedMessage in its place.
     deliveries[i] is entry i's delivery count (the Message's attempt). Never raises for what an
     entry holds.
+
+    A batch entry (model.batches) gives its n messages, at offsets ms-(s+i). after: messages at
+    or before this offset are left out (a read that resumes inside an entry); upto: messages at
+    or after this offset are left out (an exclusive end); acked: entry ID -> its settled bitmap,
+    whose set bits are left out (DESIGN §14.8).
 
     This is the read hot path: the field layouts written by includes/append.lua are recognised
     by their field names and taken by position, the timestamp is parsed once per millisecond,
@@ -338,11 +347,36 @@ def decode_entries_py(
     ms = 0
     producer_ids: dict[Any, int | None] = {}
     max_id = MAX_ID_FIELD
+    bounds = None
+    if after is not None or upto is not None:
+        bounds = (
+            batches.parse_offset(after) if after is not None else None,
+            batches.parse_offset(upto) if upto is not None else None,
+        )
     i = -1
     for entry_id, flat in entries:
         i += 1
         offset = entry_id.decode() if type(entry_id) is bytes else str(entry_id)
         attempt = max(1, int(deliveries[i])) if deliveries is not None else 1
+        if (type(flat) is list and flat and flat[0] == b"b") or (
+            type(flat) is dict and next(iter(flat), None) == b"b"
+        ):
+            found = field_map(flat)
+            if found is not None and b"v" not in found:
+                _decode_batch(
+                    messages,
+                    topic,
+                    partition,
+                    offset,
+                    flat,
+                    found,
+                    attempt,
+                    bounds,
+                    acked.get(offset) if acked else None,
+                )
+                continue
+        if bounds is not None and not _inside(offset, 0, bounds):
+            continue
         try:
             if not offset.startswith(ms_prefix):
                 dash = offset.find("-")
@@ -431,6 +465,111 @@ def decode_entries_py(
         m.__class__ = Message  # type: ignore[assignment]
         append(m)  # type: ignore[arg-type]
     return messages
+
+
+def _inside(offset: str, span: int, bounds: tuple[Any, Any]) -> bool:
+    """Whether an entry at offset holding span + 1 offsets keeps anything between the bounds
+    (an entry whose ID is not a stream ID is kept: it decodes as malformed)."""
+    at = batches.parse_offset(offset)
+    if at is None:
+        return True
+    after, upto = bounds
+    return (after is None or (at[0], at[1] + span) > after) and (upto is None or at < upto)
+
+
+def _decode_batch(
+    messages: list[Message],
+    topic: str,
+    partition: int,
+    offset: str,
+    flat: Any,
+    found: dict[Any, Any],
+    attempt: int,
+    bounds: tuple[Any, Any] | None,
+    bitmap: bytes | None,
+) -> None:
+    """A batch entry's messages appended to messages (or one MalformedMessage at its ID)."""
+    at = batches.parse_offset(offset)
+    try:
+        if at is None:
+            raise batches.BadBatch(f"the entry ID {offset!r} is not a stream ID")
+        ms, first_seq = at
+        n = parse_id_field(found.get(b"n"))
+        if n is None or n > batches.MAX_COUNT:
+            raise batches.BadBatch(f"message count n={_show(_as_bytes(found.get(b'n')))}")
+        if first_seq + n - 1 > batches.MAX_SEQ:
+            raise batches.BadBatch(f"{n} messages from {offset} pass the last stream ID")
+        for name in (b"c", b"s"):
+            if name in found and parse_id_field(found[name]) is None:
+                raise batches.BadBatch(
+                    f"{name.decode()}={_show(_as_bytes(found[name]))} is not a decimal below 2**63"
+                )
+        producer_id = found.get(b"p")
+        pid = None if producer_id is None else parse_id_field(producer_id)
+        if producer_id is not None and pid is None:
+            raise batches.BadBatch(f"producer id {_show(_as_bytes(producer_id))} is not a decimal")
+        base = found.get(b"s")
+        base_seq = None if base is None else parse_id_field(base)
+        if base_seq is not None and base_seq + n - 1 > MAX_ID_FIELD:
+            raise batches.BadBatch(f"sequences from s={base_seq} pass 2**63-1")
+        blob = found.get(b"b")
+        if type(blob) is not bytes:
+            blob = _as_bytes(blob)
+        batch = batches.Batch(blob, n)
+        header_maps = None
+        if batch.headers is not None:
+            header_maps = [decode_headers(h) if h else {} for h in batch.headers]
+    except Exception as exc:  # every rule broken, and anything unforeseen: never raise
+        if bounds is not None and not _inside(offset, 0, bounds):
+            return
+        reason = str(exc) if isinstance(exc, ValueError) else f"undecodable batch entry: {exc!r}"
+        messages.append(
+            MalformedMessage(
+                topic=topic,
+                partition=partition,
+                offset=offset,
+                key=None,
+                value=b"",
+                timestamp_ms=at[0] if at is not None else 0,
+                attempt=attempt,
+                reason=f"batch entry: {reason}",
+                raw_fields=tuple(_raw_pairs(flat)),
+            )
+        )
+        return
+    start, stop = 0, n
+    if bounds is not None:
+        after, upto = bounds
+        if after is not None:
+            if after[0] > ms:
+                return
+            if after[0] == ms:
+                start = max(0, min(n, after[1] - first_seq + 1))
+        if upto is not None:
+            if upto[0] < ms:
+                return
+            if upto[0] == ms:
+                stop = max(0, min(n, upto[1] - first_seq))
+    keys, values, ids, stamps = batch.keys, batch.values, batch.message_ids, batch.timestamps
+    new = object.__new__
+    prefix = f"{ms}-"
+    for i in range(start, stop):
+        if bitmap is not None and batches.acked_bit(bitmap, i):
+            continue
+        m = new(_MessageFields)
+        m.topic = topic
+        m.partition = partition
+        m.offset = prefix + str(first_seq + i)
+        m.key = (keys[i] or None) if keys is not None else None
+        m.value = values[i]
+        m.headers = header_maps[i] if header_maps is not None else {}
+        m.timestamp_ms = stamps[i] if stamps is not None else ms
+        m.producer_id = pid
+        m.sequence = base_seq + i if base_seq is not None else None
+        m.message_id = (ids[i] or None) if ids is not None else None
+        m.attempt = attempt
+        m.__class__ = Message  # type: ignore[assignment]
+        messages.append(m)  # type: ignore[arg-type]
 
 
 # run()'s workers (both modes) decode and handle a read this many entries at a time: the
@@ -551,7 +690,8 @@ class _Decoder(Protocol):
 
 
 # decode_entries: redisq._speedups' C decoder when it was built (hatch_build.py), 3-4 times
-# faster per entry; it hands every entry outside the plain layouts to decode_entries_py.
+# faster per entry; it hands every entry outside the plain layouts (batch entries too) to
+# decode_entries_py. A read that cuts entries (after, upto, acked) calls decode_entries_py.
 decode_entries: _Decoder = decode_entries_py
 _speedups = native.load()
 if _speedups is not None:
