@@ -4,7 +4,8 @@ KEYS[1]  partition stream              <ns>:{<topic>:<p>}:log
 ARGV[1]  producer id (PID), stored with each entry (empty: none)
 ARGV[2]  maxlen retention (0: none)
 ARGV[3]  retention_ms (0: none)
-ARGV[4]  layout letters of the per-message arguments (see includes/append.lua)
+ARGV[4]  layout letters of the per-message arguments (see includes/append.lua), or "b": the
+         batch is ARGV[6], a blob, written as one batch entry (append_batch)
 ARGV[5]  number of messages
 ARGV[6...] the messages, #layout arguments each
 
@@ -29,6 +30,16 @@ local producer_id = ARGV[1]
 if producer_id == '' then
   producer_id = nil
 end
-local appended = append_messages(KEYS[1], ARGV[4], 6, tonumber(ARGV[5]), producer_id, nil, nil)
-trim_retention(KEYS[1], appended.last, tonumber(ARGV[2]), tonumber(ARGV[3]))
+local appended
+local maxlen = tonumber(ARGV[2])
+if ARGV[4] == 'b' then
+  appended = append_batch(KEYS[1], ARGV[6], ARGV[5], producer_id, nil)
+  if not appended then
+    return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
+  end
+  maxlen = batch_maxlen(maxlen, appended.count)
+else
+  appended = append_messages(KEYS[1], ARGV[4], 6, tonumber(ARGV[5]), producer_id, nil, nil)
+end
+trim_retention(KEYS[1], appended.last, maxlen, tonumber(ARGV[3]))
 return {'OK', appended.first}

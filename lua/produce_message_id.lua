@@ -9,7 +9,9 @@ ARGV[2]  epoch of the producer instance
 ARGV[3]  dedup window in ms
 ARGV[4]  maxlen retention (0: none)
 ARGV[5]  retention_ms (0: none)
-ARGV[6]  layout letters of the per-message arguments; must contain m (see includes/append.lua)
+ARGV[6]  layout letters of the per-message arguments; must contain m (see includes/append.lua);
+         prefixed "b:" on a topic of batch entries: the new messages are packed here
+         (pack_batch) and written as one batch entry, at consecutive offsets
 ARGV[7]  number of messages
 ARGV[8]  batch number of this producer instance on this partition (0, 1, 2, ...)
 ARGV[9]  acked_next: the batch number after the producer's last acknowledged batch here (the
@@ -97,6 +99,10 @@ trim_expired(KEYS[1], ring.now_ms, tonumber(ARGV[5]))
 
 local producer_id = ARGV[1]
 local layout = ARGV[6]
+local packed = string.sub(layout, 1, 2) == 'b:'
+if packed then
+  layout = string.sub(layout, 3)
+end
 local m_at = string.find(layout, 'm', 1, true) - 1
 local count = tonumber(ARGV[7])
 
@@ -150,7 +156,34 @@ local function claim(i)
   return false
 end
 
-local appended = append_messages(KEYS[1], layout, 12, count, producer_id, nil, claim)
+local appended
+local maxlen = tonumber(ARGV[4])
+if packed then
+  local keep = {}
+  for i = 0, count - 1 do
+    keep[i] = claim(i)
+  end
+  local blob, n = pack_batch(layout, 12, count, function(i) return keep[i] end)
+  appended = {count = 0, ids = {}}
+  if n > 0 then
+    local entry = append_batch(KEYS[1], blob, tostring(n), producer_id, nil)
+    if not entry then
+      return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
+    end
+    local ms, seq = string.match(entry.first, '^(%d+)-(%d+)$')
+    local next_seq = tonumber(seq)
+    for i = 0, count - 1 do
+      if keep[i] then
+        appended.ids[i + 1] = ms .. '-' .. string.format('%.0f', next_seq)
+        next_seq = next_seq + 1
+      end
+    end
+    appended.count, appended.first, appended.last = n, entry.first, entry.last
+    maxlen = batch_maxlen(maxlen, n)
+  end
+else
+  appended = append_messages(KEYS[1], layout, 12, count, producer_id, nil, claim)
+end
 -- Remember every appended id with the ID XADD gave it (HSET of 500 fields a call).
 local ids = appended.ids
 local remembered = {}
@@ -190,6 +223,6 @@ if batch_no == expected then
 end
 if appended.count > 0 then
   dedup_seal(ring)
-  trim_retention(KEYS[1], appended.last, tonumber(ARGV[4]), 0)
+  trim_retention(KEYS[1], appended.last, maxlen, 0)
 end
 return result

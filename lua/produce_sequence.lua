@@ -13,7 +13,9 @@ ARGV[6]  window: how many recent batches (with their stream IDs) to remember
 ARGV[7]  state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[8]  maxlen retention (0: none)
 ARGV[9]  retention_ms (0: none)
-ARGV[10] layout letters of the per-message arguments (see includes/append.lua)
+ARGV[10] layout letters of the per-message arguments (see includes/append.lua), or "b": ARGV[12]
+         is the batch's blob, written as one batch entry with s = the base sequence (no
+         per-message sequence numbers follow)
 ARGV[11] "1" for a named producer (fenced by its name's registration), "0" for an anonymous one
 ARGV[12...] the messages, #layout arguments each, then the sequence number of each message as a
          string (base + i, stored in field s)
@@ -109,7 +111,17 @@ if base > next_seq then
   return redis.error_reply('OUT_OF_ORDER expected=' .. string.format('%.0f', next_seq))
 end
 
-local appended = append_messages(KEYS[1], ARGV[10], 12, count, ARGV[1], 12 + count * #ARGV[10], nil)
+local appended
+local maxlen = tonumber(ARGV[8])
+if ARGV[10] == 'b' then
+  appended = append_batch(KEYS[1], ARGV[12], ARGV[4], ARGV[1], ARGV[3])
+  if not appended then
+    return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
+  end
+  maxlen = batch_maxlen(maxlen, count)
+else
+  appended = append_messages(KEYS[1], ARGV[10], 12, count, ARGV[1], 12 + count * #ARGV[10], nil)
+end
 
 redis.call('HSET', KEYS[2],
   'epoch', ARGV[2],
@@ -117,5 +129,5 @@ redis.call('HSET', KEYS[2],
   'nb', batches + 1,
   'w' .. (batches % window), ARGV[3] .. ':' .. ARGV[4] .. ':' .. appended.first)
 redis.call('PEXPIRE', KEYS[2], ARGV[7])
-trim_retention(KEYS[1], appended.last, tonumber(ARGV[8]), tonumber(ARGV[9]))
+trim_retention(KEYS[1], appended.last, maxlen, tonumber(ARGV[9]))
 return {'OK', appended.first}

@@ -18,7 +18,12 @@ from redisq.model.groups import GroupDescription, OffsetReset
 from redisq.model.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.model.offsets import offset_after
 from redisq.model.records import MalformedMessage, Message, decode_entries
-from redisq.model.topic import DEFAULT_PRODUCER_STATE_TTL_MS, TopicConfig, TopicDescription
+from redisq.model.topic import (
+    DEFAULT_ENTRY_FORMAT,
+    DEFAULT_PRODUCER_STATE_TTL_MS,
+    TopicConfig,
+    TopicDescription,
+)
 from redisq.protocol import Operation, groups, offsets, transaction_admin
 from redisq.protocol import topics as admin
 from redisq.protocol.topics import MAX_PARTITIONS
@@ -106,6 +111,7 @@ class Broker:
         dedup_window_ms: int | None = None,
         producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS,
         exist_ok: bool = False,
+        entry_format: str = DEFAULT_ENTRY_FORMAT,
     ) -> TopicConfig:
         """Create a topic of `partitions` partition streams.
 
@@ -114,6 +120,10 @@ class Broker:
         (idempotence="message_id"); by default the retention age, else 24 h. Each of these
         and producer_state_ttl_ms is at most 2**53 - 1 (the scripts' numbers are doubles).
         With exist_ok, an existing topic is returned as it is.
+
+        entry_format: "message" writes one stream entry per message, readable by any Redis
+        tool; "batch" writes one entry per producer batch (about 6x less server time per
+        message; offsets are still one stream ID per message, DESIGN §14).
         """
         config = await self.run(
             admin.create_topic(
@@ -125,6 +135,7 @@ class Broker:
                 dedup_window_ms=dedup_window_ms,
                 producer_state_ttl_ms=producer_state_ttl_ms,
                 exist_ok=exist_ok,
+                entry_format=entry_format,
             )
         )
         self._topic_cache[topic] = (time.monotonic(), config)

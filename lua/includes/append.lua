@@ -130,6 +130,97 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
   return {count = appended, ids = ids, first = first_id, last = id}
 end
 
+-- append_batch(stream, blob, count, producer_id, base_seq): one batch entry (DESIGN §14) of
+--   `count` messages (ASCII decimal, as sent): fields b (the client's blob), n, p and s when given.
+--   XADD takes `*` as any XADD does; XSETID then moves the stream's last ID to the batch's last
+--   offset <ms>-<seq + count - 1>, so the next entry of anyone (redisq or another client) gets an
+--   ID after every offset of this one. Returns {count, first, last} as append_messages does, or
+--   nil (nothing written) when the offsets would pass the last stream ID of the millisecond.
+local function append_batch(stream, blob, count, producer_id, base_seq)
+  local call = redis.call
+  local id
+  if base_seq then
+    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'p', producer_id, 's', base_seq)
+  elseif producer_id then
+    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'p', producer_id)
+  else
+    id = call('XADD', stream, '*', 'b', blob, 'n', count)
+  end
+  local n = tonumber(count)
+  local last = id
+  if n > 1 then
+    local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+    -- A sequence this large only follows a foreign XADD with an explicit ID; a double holds
+    -- every integer below 2^53 exactly, and the entry must not claim offsets it cannot have.
+    if #seq > 15 then
+      call('XDEL', stream, id)
+      return nil
+    end
+    last = ms .. '-' .. string.format('%.0f', tonumber(seq) + n - 1)
+    call('XSETID', stream, last)
+  end
+  return {count = n, first = id, last = last}
+end
+
+-- pack_batch(layout, first, count, keep): the blob (model/batches.py, version 1) of the messages
+--   whose arguments start at ARGV[first], #layout arguments each (letters k v h m t), leaving out
+--   message i when keep(i) is false. Returns the blob and the number of messages in it.
+local function pack_batch(layout, first, count, keep)
+  local stride = #layout
+  local columns = {}
+  local flags = 0
+  local order = {}
+  for _, spec in ipairs({{'k', 1}, {'v', 0}, {'h', 2}, {'m', 4}}) do
+    local at = string.find(layout, spec[1], 1, true)
+    if at then
+      order[#order + 1] = at - 1
+      flags = flags + spec[2]
+    end
+  end
+  local t_at = string.find(layout, 't', 1, true)
+  if t_at then
+    flags = flags + 8
+  end
+  local lengths, data, stamps = {}, {}, {}
+  local kept = {}
+  for i = 0, count - 1 do
+    if not keep or keep(i) then
+      kept[#kept + 1] = first + i * stride
+    end
+  end
+  local n = #kept
+  local pack, argv = struct.pack, ARGV
+  for c = 1, #order do
+    local offset = order[c]
+    local column = {}
+    for j = 1, n do
+      local item = argv[kept[j] + offset]
+      lengths[#lengths + 1] = pack('>I4', #item)
+      column[j] = item
+    end
+    data[c] = table.concat(column)
+  end
+  if t_at then
+    for j = 1, n do
+      -- u64 big-endian of a value below 2^48 (the client checks it): two u32 halves.
+      local stamp = tonumber(argv[kept[j] + t_at - 1])
+      local high = math.floor(stamp / 4294967296)
+      stamps[j] = pack('>I4I4', high, stamp - high * 4294967296)
+    end
+  end
+  return pack('>BBI4', 1, flags, n) .. table.concat(lengths) .. table.concat(stamps) ..
+    table.concat(data), n
+end
+
+-- batch_maxlen(maxlen, count): retention by count on a partition of batch entries, where MAXLEN
+-- counts entries: about maxlen messages in whole batches of this batch's size (at least one).
+local function batch_maxlen(maxlen, count)
+  if maxlen <= 0 then
+    return 0
+  end
+  return math.ceil(maxlen / count)
+end
+
 -- Retention: by count (MAXLEN ~) and by age (MINID ~ now - retention). Approximate trimming only
 -- drops whole stream nodes, which keeps it O(1) amortised per batch. produce_message_id.lua trims
 -- by age exactly instead (trim_expired, before it appends) and passes retention_ms 0 here.

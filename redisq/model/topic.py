@@ -15,6 +15,10 @@ DEFAULT_PRODUCER_STATE_TTL_MS = 24 * 3600 * 1000
 # largest integer a Lua number (a double) holds exactly. The scripts use these in XTRIM and
 # PEXPIRE, which refuse anything larger (and produce.lua refuses it before it appends).
 MAX_TOPIC_SETTING = (1 << 53) - 1
+# How a topic's partitions hold messages (DESIGN §14): "message", one stream entry per message
+# (every topic created before batch entries), or "batch", one entry per producer batch.
+ENTRY_FORMATS = ("message", "batch")
+DEFAULT_ENTRY_FORMAT = "message"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,7 @@ class TopicConfig:
     producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS
     created_ms: int = 0
     topic_id: str = ""
+    entry_format: str = DEFAULT_ENTRY_FORMAT
 
     @property
     def state_ttl_ms(self) -> int:
@@ -50,6 +55,8 @@ class TopicConfig:
             producer_state_ttl_ms=number("producer_state_ttl_ms", DEFAULT_PRODUCER_STATE_TTL_MS),
             created_ms=number("created_ms", 0),
             topic_id=raw.get(b"topic_id", b"").decode(),
+            # A topic created before batch entries has no field: its entries are messages.
+            entry_format=raw.get(b"entry_format", b"message").decode(),
         )
 
 

@@ -17,6 +17,7 @@ TOPIC_FIELDS = (
     "producer_state_ttl_ms",
     "created_ms",
     "topic_id",
+    "entry_format",
 )
 
 

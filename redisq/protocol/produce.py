@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from redisq.model.batches import blob_from_items, resp_items
 from redisq.model.keys import KeySpace
 from redisq.model.topic import TopicConfig
 from redisq.protocol import Command, ScriptCall, Step, text
@@ -152,8 +153,13 @@ def sequence_bulks(first: int, count: int) -> bytes:
     return "".join(runs).encode()
 
 
-def _body(batch: SealedBatch, sequences: bool) -> tuple[bytes, int]:
-    """The batch's arguments joined once; a retry sends exactly these bytes."""
+def _body(batch: SealedBatch, sequences: bool, packed: bool = False) -> tuple[bytes, int]:
+    """The batch's arguments joined once; a retry sends exactly these bytes. packed: one
+    argument, the batch's blob (a batch entry, model/batches.py), instead of the messages'."""
+    if batch.body is None and packed:
+        blob = blob_from_items(batch.layout, batch.count, resp_items(b"".join(batch.args)))
+        batch.body = b"".join((bulk_header(len(blob)), blob, b"\r\n"))
+        batch.body_count = 1
     if batch.body is None:
         parts = batch.args
         batch.body_count = batch.count * len(batch.layout)
@@ -187,8 +193,9 @@ def produce(
     topic, p = batch.topic, batch.partition
     log_key = keys.log(topic, p)
     named = "1" if identity.named else "0"
+    packed = config.entry_format == "batch"
     if mode == "sequence":
-        body, count = _body(batch, sequences=True)
+        body, count = _body(batch, sequences=not packed, packed=packed)
         return ScriptCall(
             "produce_sequence",
             (log_key, keys.producer_state(topic, p, identity.producer_id)),
@@ -202,7 +209,7 @@ def produce(
                 state_ttl_ms,
                 config.retention_messages,
                 config.retention_ms,
-                batch.layout,
+                "b" if packed else batch.layout,
                 named,
             ),
             _sequence_reply,
@@ -226,7 +233,8 @@ def produce(
                 config.dedup_window_ms,
                 config.retention_messages,
                 config.retention_ms,
-                batch.layout,
+                # "b:": the new messages are written as one batch entry (packed by the script)
+                f"b:{batch.layout}" if packed else batch.layout,
                 batch.count,
                 batch.base_seq,  # the batch number, in this mode
                 acked_next,
@@ -238,7 +246,7 @@ def produce(
             body,
             count,
         )
-    body, count = _body(batch, sequences=False)
+    body, count = _body(batch, sequences=False, packed=packed)
     return ScriptCall(
         "produce",
         (log_key,),
@@ -246,7 +254,7 @@ def produce(
             identity.producer_id,
             config.retention_messages,
             config.retention_ms,
-            batch.layout,
+            "b" if packed else batch.layout,
             batch.count,
         ),
         _sequence_reply,

@@ -14,6 +14,8 @@ from redisq.errors import InvalidConfig, TopicExists, TopicInUse, TopicNotFound,
 from redisq.model.keys import KeySpace, validate_topic
 from redisq.model.offsets import MAX_STREAM_ID_PART, offset_parts
 from redisq.model.topic import (
+    DEFAULT_ENTRY_FORMAT,
+    ENTRY_FORMATS,
     DEFAULT_DEDUP_WINDOW_MS,
     DEFAULT_PRODUCER_STATE_TTL_MS,
     MAX_TOPIC_SETTING,
@@ -67,6 +69,7 @@ def create_topic(
     dedup_window_ms: int | None = None,
     producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS,
     exist_ok: bool = False,
+    entry_format: str = DEFAULT_ENTRY_FORMAT,
 ) -> Operation[TopicConfig]:
     """Create the partition streams, then the metadata (so a topic that can be described can
     also be written). With exist_ok, an existing topic is returned as it is."""
@@ -78,6 +81,10 @@ def create_topic(
     if dedup_window_ms is None:
         dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
     check_int("dedup_window_ms", dedup_window_ms, 1000, MAX_TOPIC_SETTING)
+    if entry_format not in ENTRY_FORMATS:
+        raise InvalidConfig(
+            f"entry_format={entry_format!r}: one of {', '.join(map(repr, ENTRY_FORMATS))}"
+        )
     existing = yield from read_config(keys, topic)
     if existing is not None:
         if exist_ok:
@@ -93,6 +100,7 @@ def create_topic(
         producer_state_ttl_ms=producer_state_ttl_ms,
         created_ms=now,
         topic_id=secrets.token_hex(8),
+        entry_format=entry_format,
     )
     created = yield [scripts.create_partition(keys, topic, p) for p in range(partitions)]
     _raise_first(created)

@@ -48,6 +48,7 @@ class BrokerHandle(Protocol):
         dedup_window_ms: int | None = None,
         producer_state_ttl_ms: int = ...,
         exist_ok: bool = False,
+        entry_format: str = ...,
     ) -> TopicConfig: ...
 
     def list_topics(self) -> list[str]: ...

@@ -46,6 +46,7 @@ class AsyncBrokerHandle(Protocol):
         dedup_window_ms: int | None = None,
         producer_state_ttl_ms: int = ...,
         exist_ok: bool = False,
+        entry_format: str = ...,
     ) -> TopicConfig: ...
 
     async def list_topics(self) -> list[str]: ...
