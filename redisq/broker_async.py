@@ -14,17 +14,18 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from redisq.errors import InvalidName, PartitionOutOfRange, TopicNotFound
+from redisq.model.batches import cut_entry
 from redisq.model.groups import GroupDescription, OffsetReset
 from redisq.model.keys import KeySpace, dead_letter_topic, validate_topic
 from redisq.model.offsets import offset_after
-from redisq.model.records import MalformedMessage, Message, decode_entries
+from redisq.model.records import MalformedMessage, Message, decode_entries, decode_entries_py
 from redisq.model.topic import (
     DEFAULT_ENTRY_FORMAT,
     DEFAULT_PRODUCER_STATE_TTL_MS,
     TopicConfig,
     TopicDescription,
 )
-from redisq.protocol import Operation, groups, offsets, transaction_admin
+from redisq.protocol import Operation, groups, offsets, text, transaction_admin
 from redisq.protocol import topics as admin
 from redisq.protocol.topics import MAX_PARTITIONS
 from redisq.protocol.transaction_admin import TransactionInfo
@@ -326,18 +327,37 @@ class Broker:
         admin.check_read(start, end, count, batch, on_malformed)
         await self.check_partition(topic, partition)
         key = self.keys.log(topic, partition)
+        # A batch entry may begin before start (its messages before start are left out) and
+        # end after end (its messages after end are left out): DESIGN §14.7.
+        head, upto = admin.read_cuts(start, end)
         returned = 0
         cursor = start
         while count is None or returned < count:
             size = batch if count is None else min(batch, count - returned)
-            entries = await self.client.xrange(key, min=cursor, max=end, count=size)
+            if head is not None:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.xrevrange(key, max=head[0], min="-", count=1)
+                pipe.xrange(key, min=cursor, max=end, count=size)
+                held, entries = await pipe.execute()
+                first = cut_entry(held[0], *head) if held else []
+                if first and not (entries and text(entries[0][0]) == text(first[0][0])):
+                    entries[:0] = first
+                head = None
+            else:
+                entries = await self.client.xrange(key, min=cursor, max=end, count=size)
             if not entries:
                 return
-            for message in decode_entries(topic, partition, entries):
+            if upto is None:
+                messages = decode_entries(topic, partition, entries)
+            else:
+                messages = decode_entries_py(topic, partition, entries, upto=upto)
+            for message in messages:
                 if on_malformed == "raise" and isinstance(message, MalformedMessage):
                     raise message.error()
                 yield message
-            returned += len(entries)
+                returned += 1
+                if returned == count:
+                    return
             last = entries[-1][0]
             after = offset_after(last.decode() if isinstance(last, bytes) else str(last))
             if after is None or len(entries) < size:

@@ -57,7 +57,7 @@ def admitted_chunks(
     topic, partition = reader.tp
     whole = len(entries) <= size
     head = decode_entries(topic, partition, entries[:size])
-    last = None if whole else decode_entries(topic, partition, entries[-1:])[0].offset
+    last = None if whole else decode_entries(topic, partition, entries[-1:])[-1].offset
     with lock:
         if reader.moves != moves:
             return

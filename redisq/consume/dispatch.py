@@ -35,6 +35,11 @@ class OrderlyPartition:
         self.tp = (grant.lease.topic, grant.lease.partition)
         self.read_from = grant.position  # the next read starts after it ...
         self.inclusive = False  # ... or at it, after a seek
+        # The position is the last offset of an entry read (or nothing follows it): the next
+        # read takes the entries after it. False after a grant, a seek, a re-read or a read cut
+        # short, whose position may be inside a batch entry (DESIGN §14.7): the next read is a
+        # resume read, which takes the rest of that entry first.
+        self.at_boundary = False
         # Bumped when the position jumps (a seek, ...): a read issued before is dropped whole.
         self.moves = 0
         self.committed_at = grant.position  # the position the group holds in Redis
@@ -71,7 +76,7 @@ class OrderlyPartition:
 
     # -- reading ---------------------------------------------------------------------------------
     def next_range(self) -> tuple[str, bool]:
-        """(offset, inclusive): where the next read starts."""
+        """(offset, inclusive): where the next read starts (a resume read unless at_boundary)."""
         return self.read_from, self.inclusive
 
     def wait_after(self) -> str:
@@ -85,7 +90,7 @@ class OrderlyPartition:
         """Read from `offset` (inclusive) next; nothing given out is expected back any more. A
         block is cleared with the next commit (reading from the offset blocks again if it meets
         the entry again)."""
-        self.read_from, self.inclusive = offset, True
+        self.read_from, self.inclusive, self.at_boundary = offset, True, False
         self.moves += 1
         self.outstanding.clear()
         self.unacked.clear()
@@ -93,7 +98,7 @@ class OrderlyPartition:
 
     def reread_from(self, offset: str) -> None:
         """Read again from `offset` (inclusive): a malformed entry the policy blocks on."""
-        self.read_from, self.inclusive = offset, True
+        self.read_from, self.inclusive, self.at_boundary = offset, True, False
         self.moves += 1
 
     def block_on(self, offset: str) -> bool:
@@ -115,14 +120,15 @@ class OrderlyPartition:
         """pause(): the read issued at `moves` was handled up to `offset` (not included): read
         again from it, unless the position jumped since (a seek wins)."""
         if self.moves == moves:
-            self.read_from, self.inclusive = offset, True
+            self.read_from, self.inclusive, self.at_boundary = offset, True, False
 
-    def admit(self, messages: list[Message], now: float) -> list[Message]:
+    def admit(self, messages: list[Message], now: float, *, boundary: bool = True) -> list[Message]:
         """Messages just read, in offset order: those of a parked key are held back (recorded
         with the next commit); the others are to be handled, in this order. The position
         passes a held message only once the messages read before it are done (handled, or
-        acked after poll()): a commit meanwhile (close, hand-over, commit()) stays before them."""
-        self.admit_read(messages, messages[-1].offset if messages else None, now)
+        acked after poll()): a commit meanwhile (close, hand-over, commit()) stays before them.
+        boundary: False when the read was cut after messages[-1], inside an entry."""
+        self.admit_read(messages, messages[-1].offset if messages else None, now, boundary=boundary)
         if not self.parked or not messages:
             return messages
         admitted: list[Message] = []
@@ -167,30 +173,38 @@ class OrderlyPartition:
             self.block_on(block_at)
         return True
 
-    def admit_unless_moved(self, messages: list[Message], now: float, moves: int) -> list[Message]:
+    def admit_unless_moved(
+        self, messages: list[Message], now: float, moves: int, *, boundary: bool = True
+    ) -> list[Message]:
         """admit() for poll(): its read, or nothing when the position jumped while the read was
         in flight (`moves`: the count when it was sent; a seek from another thread or task):
         the next poll() reads from where it jumped to."""
         if self.moves != moves:
             return []
-        return self.admit(messages, now)
+        return self.admit(messages, now, boundary=boundary)
 
-    def admit_read(self, head: list[Message], last: str | None, now: float) -> None:
+    def admit_read(
+        self, head: list[Message], last: str | None, now: float, *, boundary: bool = True
+    ) -> None:
         """admit() of a read given its first messages (head, possibly [] for an empty read)
-        and the offset of its last entry, for a read decoded as it is handled; the caller
-        holds back parked keys' messages itself (or calls admit() when any key is parked)."""
+        and the offset of its last message, for a read decoded as it is handled; the caller
+        holds back parked keys' messages itself (or calls admit() when any key is parked).
+        boundary: whether `last` ends an entry (a read of whole entries), else the next read
+        resumes inside it."""
         if self.blocked is not None and self.inclusive and self.read_from == self.blocked:
             # Reading again from the entry a policy blocks on: gone (deleted or trimmed)?
             if not head or head[0].offset != self.blocked:
                 self.unblocked(now)
         if not head or last is None:
+            # Nothing after the position, not even in the entry holding it (a resume read).
+            self.at_boundary = True
             return
         self.gave_out = True
         if self.head_attempts > 1 and self.read_from == self.committed_at and not self.inclusive:
             # The first read after the grant: its first message may be one no owner survived.
             head[0] = replace(head[0], attempt=self.head_attempts)
             self.head_attempts = 1
-        self.read_from, self.inclusive = last, False
+        self.read_from, self.inclusive, self.at_boundary = last, False, boundary
 
     def hold_if_parked(self, message: Message, now: float, *, advance: bool = True) -> bool:
         """Hold the message back if its key is parked (a key parked while its batch was being
@@ -435,7 +449,7 @@ class OrderlyPartition:
         if committed:
             self.committed_position(position, entries_read)
         else:
-            self.read_from, self.inclusive = self.committed_at, False
+            self.read_from, self.inclusive, self.at_boundary = self.committed_at, False, False
             self.moves += 1
             self.outstanding.clear()
             self.unacked.clear()

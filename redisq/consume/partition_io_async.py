@@ -123,14 +123,23 @@ class AsyncPartitionIO:
         reader's."""
         lease = reader.lease
         start, inclusive = reader.next_range()
-        commands = calls.fenced_range_commands(self._keys, lease, start, count, inclusive=inclusive)
+        resume = not reader.at_boundary
+        commands = calls.fenced_range_commands(
+            self._keys, lease, start, count, inclusive=inclusive, resume=resume
+        )
         replies = await self._exchange(commands[1][1], commands)
-        return self.fenced(lease, replies, calls.range_read_reply)
+        if not resume:
+            return self.fenced(lease, replies, calls.range_read_reply)
+        return self.fenced(
+            lease, replies, lambda executed: calls.range_read_reply(executed, (start, inclusive))
+        )
 
     async def read_waiting(self, reader: OrderlyPartition, count: int, block_ms: int) -> list[Any]:
         """read_range for a reader that has caught up: waits up to block_ms for entries after
         its position and returns them with the lease checked after they were read
         (calls.fenced_wait_commands), in one round trip; [] when nothing came."""
+        if not reader.at_boundary:  # the rest of an entry first (XREAD would pass it over)
+            return await self.read_range(reader, count)
         lease = reader.lease
         after = reader.wait_after()  # the position, or the ID before it after a seek
         commands = calls.fenced_wait_commands(self._keys, lease, after, count, block_ms)
@@ -221,11 +230,11 @@ class AsyncPartitionIO:
         return set(reply)
 
     async def fetch_offsets(self, tp: TopicPartition, offsets: list[str]) -> list[Message]:
-        """Held messages by offset (one pipelined XRANGE each); a trimmed one is gone."""
+        """Held messages by offset (one pipelined read each of the entry at or before it, which
+        holds it when it is inside a batch entry); a trimmed one is gone."""
         key = self._keys.log(*tp)
-        return offset_entries(
-            tp, await self._exchange(key, [("XRANGE", key, o, o) for o in offsets])
-        )
+        commands = [("XREVRANGE", key, o, "-", "COUNT", 1) for o in offsets]
+        return offset_entries(tp, await self._exchange(key, commands), offsets)
 
     async def committed(self, tp: TopicPartition) -> str | None:
         """The group's position on a partition of a topic it reads (InvalidConfig for another
@@ -394,8 +403,13 @@ class AsyncPartitionIO:
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
             messages = decode_entries(*tp, await self.read_range(reader, count))
+            # count entries may hold more messages (batch entries): poll() gives count at most,
+            # and the next read resumes inside the entry it stopped in.
+            cut = len(messages) > count
             with guard:
-                return reader.admit_unless_moved(messages, time.monotonic(), moves)
+                return reader.admit_unless_moved(
+                    messages[:count] if cut else messages, time.monotonic(), moves, boundary=not cut
+                )
         claimed = await self.claim_idle(tp, count)
         return claimed or decode_entries(*tp, await self.read_group(tp, count, [], None))
 
@@ -488,14 +502,16 @@ def hashes(replies: list[Any]) -> list[dict[bytes, bytes]]:
     return result
 
 
-def offset_entries(tp: TopicPartition, replies: list[Any]) -> list[Message]:
-    """The messages of fetch_offsets' XRANGE replies. An error reply raises: read as "no entry"
+def offset_entries(tp: TopicPartition, replies: list[Any], offsets: list[str]) -> list[Message]:
+    """The messages at `offsets` in fetch_offsets' replies (each the entry at or before its
+    offset: a message entry at it, a batch entry holding it, or else the offset is gone: a hole,
+    trimmed). An error reply raises: read as "no entry"
     it made a blocked message look deleted (passed over, never handled) and a released held
     message look trimmed, when the XRANGE was only answered ASK, MOVED or TRYAGAIN while the
     partition's slot migrated."""
-    entries = []
-    for reply in replies:
+    found: list[Message] = []
+    for offset, reply in zip(offsets, replies, strict=True):
         if isinstance(reply, Exception):
             raise reply
-        entries.extend(reply)
-    return decode_entries(tp[0], tp[1], entries)
+        found += (m for m in decode_entries(tp[0], tp[1], reply) if m.offset == offset)
+    return found

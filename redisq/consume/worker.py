@@ -173,7 +173,8 @@ class Worker:
                     continue
             # Caught up (the last read was not a full batch): commit what was handled, then
             # wait for entries and read them in one round trip, no longer than the lease allows.
-            block_ms = self._block_ms(reader) if caught_up else 0
+            # (Not inside an entry: a waiting read passes the rest of it over, DESIGN §14.7.)
+            block_ms = self._block_ms(reader) if caught_up and reader.at_boundary else 0
             moves = reader.moves  # taken before the read starts: a seek after it drops the read
             try:
                 if block_ms > 0:

@@ -176,3 +176,60 @@ def parse_offset(offset: Any) -> tuple[int, int] | None:
     if not dash or not ms.isdigit() or not seq.isdigit() or not ms.isascii() or not seq.isascii():
         return None
     return int(ms), int(seq)
+
+
+def cut_entry(entry: Any, position: str, inclusive: bool) -> list[Any]:
+    """The part of a stream entry after `position` (at or after it when inclusive), as raw
+    entries for the decoder: a resume read's first entry, the one holding the position (§14.7).
+
+    A batch entry cut inside gives one entry of its later messages, with the ID and sequence of
+    the first of them (``ms-(s+k)``, ``s+k``): it decodes to exactly the messages the whole
+    entry has there. An entry with nothing there, a message entry (its one offset is at or
+    before the position) and a malformed batch entry (its span cannot be trusted; it was met at
+    its ID) give nothing."""
+    entry_id, flat = entry
+    at = parse_offset(entry_id)
+    where = parse_offset(position)
+    if at is None or where is None:
+        return []
+    if type(flat) is dict:
+        pairs = list(flat.items())
+    elif isinstance(flat, list | tuple) and not len(flat) % 2:
+        pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+    else:
+        return []
+    fields = dict(pairs)
+    if not pairs or pairs[0][0] != b"b" or b"v" in fields:
+        return []
+    try:
+        n = int(fields[b"n"]) if bytes(fields[b"n"]).isdigit() else -1
+        batch = Batch(bytes(fields[b"b"]), n)
+    except (KeyError, TypeError, ValueError):
+        return []
+    ms, first = at
+    if where[0] != ms:
+        skip = 0 if where[0] < ms else n
+    else:
+        skip = where[1] - first + (0 if inclusive else 1)
+    skip = max(0, min(n, skip))
+    if skip == n:
+        return []
+    if skip == 0:
+        return [entry]
+    blob = encode_batch(
+        batch.values[skip:],
+        None if batch.keys is None else batch.keys[skip:],
+        None if batch.headers is None else batch.headers[skip:],
+        None if batch.message_ids is None else batch.message_ids[skip:],
+        None if batch.timestamps is None else batch.timestamps[skip:],
+    )
+    rest: list[bytes] = []
+    for name, value in pairs:
+        if name == b"b":
+            value = blob
+        elif name == b"n":
+            value = b"%d" % (n - skip)
+        elif name in (b"s", b"c") and bytes(value).isdigit():
+            value = b"%d" % (int(value) + skip)
+        rest += (name, value)
+    return [(f"{ms}-{first + skip}".encode(), rest)]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redisq.model.batches import cut_entry
 from redisq.model.keys import KeySpace
 from redisq.model.offsets import offset_after
 from redisq.protocol import ScriptCall, text
@@ -268,31 +269,48 @@ def fenced_range_commands(
     end: str = "+",
     *,
     inclusive: bool = False,
+    resume: bool = False,
 ) -> list[tuple[Any, ...]]:
     """An orderly owner's read: the lease and the next entries after its position (at it when
     inclusive, after a seek), in one MULTI/EXEC on the partition's node (one slot), so the
     entries come with the lease value that stood when they were read. The caller drops them
     unless that value is its own: a member that lost its lease reads nothing it could hand on.
     No Lua table round trip. After the largest stream ID nothing can come (Redis refuses an
-    exclusive start there): the read is then the lease alone, no entries."""
+    exclusive start there): the read is then the lease alone, no entries.
+
+    resume: the position may be inside a batch entry (DESIGN §14.7): the entry holding it
+    (XREVRANGE ... COUNT 1) is read first, and range_read_reply keeps what follows the position
+    in it."""
     start = after if inclusive else offset_after(after)
     commands: list[tuple[Any, ...]] = [
         ("MULTI",),
         ("GET", keys.lease(lease.topic, lease.partition, lease.group)),
     ]
+    stream = keys.log(lease.topic, lease.partition)
+    if resume:
+        commands.append(("XREVRANGE", stream, after, "-", "COUNT", 1))
     if start is not None:
-        stream = keys.log(lease.topic, lease.partition)
         commands.append(("XRANGE", stream, start, end, "COUNT", count))
     commands.append(("EXEC",))
     return commands
 
 
-def range_read_reply(replies: Sequence[Any]) -> RangeRead:
+def range_read_reply(replies: Sequence[Any], resume: tuple[str, bool] | None = None) -> RangeRead:
     """The reply to fenced_range_commands (the EXEC's: the last one; without an XRANGE after
-    the largest stream ID, no entries). Check read_error first."""
+    the largest stream ID, no entries). Check read_error first. resume: (position, inclusive)
+    of a resume read: the rest of the entry holding the position comes first."""
     executed = replies[-1]
-    entries = executed[1] if len(executed) > 1 else None
-    return RangeRead(None if executed[0] is None else text(executed[0]), entries or [])
+    lease_value = None if executed[0] is None else text(executed[0])
+    if resume is None:
+        entries = executed[1] if len(executed) > 1 else None
+        return RangeRead(lease_value, entries or [])
+    held = executed[1] or []
+    entries = list(executed[2] or []) if len(executed) > 2 else []
+    if held:
+        head = cut_entry(held[0], *resume)
+        if head and not (entries and text(entries[0][0]) == text(head[0][0])):
+            entries[:0] = head
+    return RangeRead(lease_value, entries)
 
 
 def read_error(replies: Sequence[Any]) -> Exception | None:

@@ -12,12 +12,12 @@ from typing import Any
 
 from redisq.errors import InvalidConfig, TopicExists, TopicInUse, TopicNotFound, check_int
 from redisq.model.keys import KeySpace, validate_topic
-from redisq.model.offsets import MAX_STREAM_ID_PART, offset_parts
+from redisq.model.offsets import MAX_STREAM_ID_PART, offset_after, offset_parts
 from redisq.model.topic import (
-    DEFAULT_ENTRY_FORMAT,
-    ENTRY_FORMATS,
     DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_ENTRY_FORMAT,
     DEFAULT_PRODUCER_STATE_TTL_MS,
+    ENTRY_FORMATS,
     MAX_TOPIC_SETTING,
     PartitionInfo,
     TopicConfig,
@@ -191,6 +191,29 @@ def check_read(
     if count is not None:
         check_int("count", count, 0)
     check_int("batch", batch, 1, 100_000)
+
+
+def read_cuts(start: str, end: str) -> tuple[tuple[str, bool] | None, str | None]:
+    """Broker.read's checked bounds as the cuts of batch entries (DESIGN §14.7): (the start
+    position and whether it is inclusive, for the entry that may hold it; None from the first
+    entry), and the exclusive end offset of the messages to keep (None: to the last)."""
+    head: tuple[str, bool] | None = None
+    if start not in READ_OPEN_BOUNDS:
+        offset = start.removeprefix("(")
+        if "-" not in offset:  # "<ms>": the whole millisecond
+            head = (f"{offset}-0", True)
+        else:
+            head = (offset, not start.startswith("("))
+    upto: str | None = None
+    if end not in READ_OPEN_BOUNDS:
+        offset = end.removeprefix("(")
+        if end.startswith("("):
+            upto = offset if "-" in offset else f"{offset}-0"
+        elif "-" not in offset:
+            upto = f"{int(offset) + 1}-0"
+        else:
+            upto = offset_after(offset)
+    return head, upto
 
 
 def _check_read_bound(name: str, bound: object) -> None:
