@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +26,17 @@ from redisq.consume.letters import DeadLetterWriter
 from redisq.consume.malformed import MalformedLog
 from redisq.consume.ownership import TopicPartition
 from redisq.consume.policies import Backoff, DeadLetter, FailurePolicy, make_policy
+from redisq.consume.settling import EntrySettling
 from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
 from redisq.model.keys import KeySpace
 from redisq.model.offsets import offset_parts
-from redisq.model.records import MalformedMessage, Message, decode_entries
+from redisq.model.records import (
+    MalformedMessage,
+    Message,
+    decode_entries,
+    decode_entries_py,
+    decode_lazily,
+)
 from redisq.model.stats import ConsumerStats
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
@@ -80,6 +87,10 @@ class PartitionIO:
         self._writers: dict[str, DeadLetterWriter] = {}
         self._guard = Guard()
         self._last_claim: dict[TopicPartition, float] = {}
+        self._settling: dict[TopicPartition, EntrySettling] = {}
+        # poll() in concurrent mode: messages of entries read beyond max_messages (a batch
+        # entry holds many), given by the next poll() (still pending until acked)
+        self._leftover: dict[TopicPartition, list[Message]] = {}
         self.malformed_log = MalformedLog(member)
 
     # -- a pooled connection on the partition's node ---------------------------------------------
@@ -298,10 +309,36 @@ class PartitionIO:
         """XACK what was handled and XREADGROUP from `start` in one write (BLOCK when
         waiting): the entries read, raw (for decode_entries or decode_lazily)."""
         stream = self._keys.log(*tp)
+        ack_ids = self.settling(tp).settle(ack_ids) if ack_ids else ack_ids
         commands = calls.group_read_commands(
             stream, self.group, self.member, count, ack_ids, block_ms, start
         )
         return calls.group_read_entries(self._exchange(stream, commands), start)
+
+    def settling(self, tp: TopicPartition) -> EntrySettling:
+        with self._guard:
+            settling = self._settling.get(tp)
+            if settling is None:
+                settling = self._settling[tp] = EntrySettling()
+            return settling
+
+    def group_messages(
+        self,
+        tp: TopicPartition,
+        entries: list[Any],
+        deliveries: Any = None,
+        *,
+        lazily: bool = False,
+    ) -> Iterable[Message]:
+        """The messages of entries a concurrent member was given (read_group, claim_idle): its
+        batch entries are remembered until settled whole (consume.settling), and the messages
+        of them it settled before are left out of a redelivery to it."""
+        acked = self.settling(tp).given(entries)
+        if acked:
+            return decode_entries_py(*tp, entries, deliveries, acked=acked)
+        if lazily and deliveries is None:
+            return decode_lazily(*tp, entries)
+        return decode_entries(*tp, entries, deliveries)
 
     def claim_idle(self, tp: TopicPartition, count: int) -> list[Message]:
         """XAUTOCLAIM entries pending longer than claim_idle_ms (a dead member's), now and
@@ -323,17 +360,22 @@ class PartitionIO:
                 idle_ms,
             )
         )
-        return decode_entries(tp[0], tp[1], claimed.entries, claimed.deliveries)
+        return list(self.group_messages(tp, claimed.entries, claimed.deliveries))
 
     def ack_group(self, tp: TopicPartition, ids: list[str]) -> int:
-        """XACK on the partition's node (a connection the server dropped is replaced first)."""
+        """XACK on the partition's node (a connection the server dropped is replaced first) of
+        the entries the messages `ids` settle (consume.settling); how many messages that
+        acknowledged (a batch entry's messages count as each is settled)."""
         if not ids:
             return 0
+        ready, settled, whole = self.settling(tp).settle_counted(ids)
+        if not ready:
+            return settled
         stream = self._keys.log(*tp)
-        reply = (self._exchange(stream, [("XACK", stream, self.group, *ids)]))[0]
+        reply = (self._exchange(stream, [("XACK", stream, self.group, *ready)]))[0]
         if isinstance(reply, Exception):
             raise reply
-        return int(reply)
+        return max(0, int(reply) - whole) + settled
 
     # -- failures --------------------------------------------------------------------------------
     def dead_letter(
@@ -352,13 +394,15 @@ class PartitionIO:
         writer = self._writer(message.topic)
         writer.write(message, error, attempts)
         if reader is None:
+            # The entry is acked once every message of it is settled (consume.settling).
+            ready = self.settling((message.topic, message.partition)).settle([message.offset])
             self._scripts.run(
                 calls.dead_letter(
                     self._keys,
                     calls.GroupRef(message.topic, self.group),
                     message.partition,
                     "",
-                    message.offset,
+                    ready[0] if ready else "",
                 )
             )
         if isinstance(message, MalformedMessage):
@@ -410,8 +454,17 @@ class PartitionIO:
                 return reader.admit_unless_moved(
                     messages[:count] if cut else messages, time.monotonic(), moves, boundary=not cut
                 )
-        claimed = self.claim_idle(tp, count)
-        return claimed or decode_entries(*tp, self.read_group(tp, count, [], None))
+        with self._guard:
+            messages = self._leftover.pop(tp, [])
+        if not messages:
+            messages = self.claim_idle(tp, count) or list(
+                self.group_messages(tp, self.read_group(tp, count, [], None))
+            )
+        if len(messages) > count:
+            with self._guard:
+                self._leftover[tp] = messages[count:]
+            messages = messages[:count]
+        return messages
 
     def screen(
         self,

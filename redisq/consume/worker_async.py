@@ -33,7 +33,7 @@ from redisq.consume.policies import (
     handle_under_policy,
 )
 from redisq.errors import LeaseLost, log_text
-from redisq.model.records import DECODE_CHUNK, MalformedMessage, Message, decode_lazily
+from redisq.model.records import DECODE_CHUNK, MalformedMessage, Message
 from redisq.produce.transactions import RETRIABLE_ERRORS
 from redisq.protocol.group import Commit, Lease
 from redisq.runtime import APool, acall_user, asleep, is_async
@@ -538,7 +538,9 @@ class Worker:
                     entries = await self.io.read_group(self.tp, batch, ids, None, start="0")
                     del self._pending_acks[: len(ids)]
                     self._own_pending = len(entries) >= batch
-                    await self._handle_plain(None, decode_lazily(*self.tp, entries))
+                    await self._handle_plain(
+                        None, self.io.group_messages(self.tp, entries, lazily=True)
+                    )
                     continue
                 claimed = await self.io.claim_idle(self.tp, batch)
                 if claimed:
@@ -547,7 +549,9 @@ class Worker:
                 ids = self._pending_acks[:1000]
                 entries = await self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
                 del self._pending_acks[: len(ids)]
-                await self._handle_plain(None, decode_lazily(*self.tp, entries))
+                await self._handle_plain(
+                    None, self.io.group_messages(self.tp, entries, lazily=True)
+                )
             except _Paused:
                 self._own_pending = True
             except _NETWORK_ERRORS as exc:

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+
 import redisq
 from tests.apis import poll_and_ack
 

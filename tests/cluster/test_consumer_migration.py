@@ -343,7 +343,7 @@ def test_released_messages_whose_read_fails_still_go_first(
     original = PartitionIO._exchange
 
     def flaky(self: PartitionIO, key: str, commands: list[Any], **options: Any) -> list[Any]:
-        if commands[0][0] == "XRANGE" and failures["left"]:
+        if commands[0][0] in ("XRANGE", "XREVRANGE") and failures["left"]:
             if failures["left"] == 2:
                 send(broker, (b"K3", b"K"))  # after the release was seen, before K2 is read
             failures["left"] -= 1
@@ -383,7 +383,7 @@ async def test_async_released_messages_whose_read_fails_still_go_first(
     async def flaky(
         self: AsyncPartitionIO, key: str, commands: list[Any], **options: Any
     ) -> list[Any]:
-        if commands[0][0] == "XRANGE" and failures["left"]:
+        if commands[0][0] in ("XRANGE", "XREVRANGE") and failures["left"]:
             if failures["left"] == 2:
                 send(broker, (b"K3", b"K"))  # after the release was seen, before K2 is read
             failures["left"] -= 1
