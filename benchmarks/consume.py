@@ -54,12 +54,12 @@ ASYNC_CONCURRENT = "redisq.asyncio concurrent, run(async handler)"
 GOALS = {ORDERLY: ">= 1.5x", CONCURRENT: ">= 0.8x", ASYNC_ORDERLY: ">= 1.5x"}
 
 
-def fill(broker: redisq.Broker, topic: str, n: int) -> None:
-    broker.create_topic(topic, partitions=PARTITIONS)
+def fill(broker: redisq.Broker, topic: str, n: int, entry_format: str = "message") -> None:
+    broker.create_topic(topic, partitions=PARTITIONS, entry_format=entry_format)
     with broker.producer(idempotence=None) as producer:
         for i in range(n):
             producer.send_async(topic, PAYLOAD, key=b"key-%d" % (i % 1000))
-    total = broker.describe_topic(topic).total_messages
+    total = sum(1 for p in range(PARTITIONS) for _ in broker.read(topic, p))
     if total != n:
         raise SystemExit(f"filled {total} messages, expected {n}")
 
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="1000,50000", help="latency tests: msg/s, comma list")
     parser.add_argument("--seconds", type=float, default=5.0, help="latency test: duration")
     parser.add_argument("--no-asyncio", action="store_true", help="leave out the asyncio rows")
+    parser.add_argument("--entry-format", default="message", choices=["message", "batch"])
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     args = parser.parse_args(argv)
 
@@ -221,10 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url  # None: the asyncio rows find the same embedded server
     topic = f"bench-{uuid.uuid4().hex[:6]}"
     print(f"filling {args.messages:,} messages into {PARTITIONS} partitions...", file=sys.stderr)
-    fill(broker, topic, args.messages)
+    fill(broker, topic, args.messages, args.entry_format)
+    raw_topic = topic  # raw XREADGROUP reads one entry per message: a message-format copy
+    if args.entry_format != "message":
+        raw_topic = f"{topic}-raw"
+        fill(broker, raw_topic, args.messages)
     n = args.messages
     variants = {
-        RAW: lambda: run_raw(broker, topic, n),
+        RAW: lambda: run_raw(broker, raw_topic, n),
         ORDERLY: lambda: run_redisq(broker, topic, n, "orderly"),
         CONCURRENT: lambda: run_redisq(broker, topic, n, "concurrent"),
         POLL_BATCH: lambda: run_poll(broker, topic, n, each=False),
@@ -245,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  latency {mode} at {rate:,} msg/s: p50 {p50:.2f} ms, p99 {p99:.2f} ms",
                   file=sys.stderr)  # fmt: skip
     broker.delete_topic(topic)
+    if raw_topic != topic:
+        broker.delete_topic(raw_topic)
+    if raw_topic != topic:
+        broker.delete_topic(raw_topic)
 
     print(
         f"\nserver: {broker.server}; {args.messages:,} messages of 100 B, {PARTITIONS} partitions, "

@@ -421,6 +421,177 @@ done:
     return r;
 }
 
+/* Batch entries (redisq.model.batches): big-endian u32 and u64 of the blob. */
+static unsigned long long be32(const unsigned char *p) {
+    return ((unsigned long long)p[0] << 24) | ((unsigned long long)p[1] << 16) |
+           ((unsigned long long)p[2] << 8) | (unsigned long long)p[3];
+}
+
+static unsigned long long be64(const unsigned char *p) {
+    return (be32(p) << 32) | be32(p + 4);
+}
+
+#define B_KEYS 0x01
+#define B_HEADERS 0x02
+#define B_IDS 0x04
+#define B_STAMPS 0x08
+
+/* A column item at `at` of `len` bytes: None when an absent item (len 0) may be None. */
+static PyObject *blob_item(const char *data, unsigned long long at, unsigned long long len,
+                           int absent_none) {
+    if (len == 0 && absent_none)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(data + at, (Py_ssize_t)len);
+}
+
+/* batch_messages(messages, topic, partition, blob, n, ms, first_seq, start, stop, producer_id,
+ *                base_seq, attempt, bitmap) -> bool
+ *
+ * The Messages start..stop-1 of a batch entry whose fields redisq.records._decode_batch has
+ * checked, appended to messages, as its Python loop builds them; False (nothing appended) when
+ * the blob is not one this function takes: a headers column (decoded in Python), or any rule
+ * of model.batches.Batch broken, which the Python decoder then names. bitmap: None or the
+ * entry's settled bits, whose set bits are left out. */
+static PyObject *batch_messages(PyObject *self, PyObject *args) {
+    PyObject *messages, *topic, *partition, *blob, *producer_id, *base_seq, *attempt, *bitmap;
+    unsigned long long n_field, ms, first_seq;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "O!OOO!KKKnnOOOO:batch_messages", &PyList_Type, &messages, &topic,
+                          &partition, &PyBytes_Type, &blob, &n_field, &ms, &first_seq, &start,
+                          &stop, &producer_id, &base_seq, &attempt, &bitmap))
+        return NULL;
+    if (layout.type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "batch_messages: set_layout() was not called");
+        return NULL;
+    }
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(blob);
+    unsigned long long size = (unsigned long long)PyBytes_GET_SIZE(blob);
+    if (size < 6 || b[0] != 1 || (b[1] & ~0x0F) || (b[1] & B_HEADERS))
+        Py_RETURN_FALSE;
+    int flags = b[1];
+    unsigned long long n = be32(b + 2);
+    if (n != n_field || n == 0)
+        Py_RETURN_FALSE;
+    int columns = 1 + !!(flags & B_KEYS) + !!(flags & B_IDS);
+    unsigned long long pos = 6 + 4 * n * (unsigned long long)columns;
+    unsigned long long stamps_at = pos;
+    if (flags & B_STAMPS)
+        pos += 8 * n;
+    if (pos > size)
+        Py_RETURN_FALSE;
+    /* column c's data begins at col_at[c]; the columns are keys?, values, ids? */
+    unsigned long long col_at[3], total = pos;
+    for (int c = 0; c < columns; c++) {
+        col_at[c] = total;
+        const unsigned char *lens = b + 6 + 4 * n * (unsigned long long)c;
+        for (unsigned long long i = 0; i < n; i++)
+            total += be32(lens + 4 * i);
+        if (total > size)
+            Py_RETURN_FALSE;
+    }
+    if (total != size)
+        Py_RETURN_FALSE;
+    if (start < 0)
+        start = 0;
+    if ((unsigned long long)stop > n)
+        stop = (Py_ssize_t)n;
+    const char *bits = NULL;
+    Py_ssize_t nbits = 0;
+    if (bitmap != Py_None) {
+        if (!PyBytes_Check(bitmap)) {
+            PyErr_SetString(PyExc_TypeError, "batch_messages: bitmap must be bytes or None");
+            return NULL;
+        }
+        bits = PyBytes_AS_STRING(bitmap);
+        nbits = PyBytes_GET_SIZE(bitmap);
+    }
+    unsigned long long base = 0;
+    if (base_seq != Py_None) {
+        base = PyLong_AsUnsignedLongLong(base_seq);
+        if (base == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    /* the cursors at message `start` */
+    unsigned long long at[3];
+    for (int c = 0; c < columns; c++) {
+        const unsigned char *lens = b + 6 + 4 * n * (unsigned long long)c;
+        at[c] = col_at[c];
+        for (Py_ssize_t i = 0; i < start; i++)
+            at[c] += be32(lens + 4 * i);
+    }
+    int key_col = (flags & B_KEYS) ? 0 : -1;
+    int value_col = key_col + 1;
+    int id_col = (flags & B_IDS) ? value_col + 1 : -1;
+    const char *data = (const char *)b;
+    PyObject *ms_obj = PyLong_FromUnsignedLongLong(ms);
+    if (ms_obj == NULL)
+        return NULL;
+    layout_t copy = layout; /* as decode_entries: set_layout changes the next calls only */
+    const layout_t *lay = &copy;
+    Py_INCREF(copy.type);
+    char buf[48];
+    for (Py_ssize_t i = start; i < stop; i++) {
+        unsigned long long len[3];
+        for (int c = 0; c < columns; c++)
+            len[c] = be32(b + 6 + 4 * n * (unsigned long long)c + 4 * (unsigned long long)i);
+        int skip = bits != NULL && (i >> 3) < nbits &&
+                   (((const unsigned char *)bits)[i >> 3] & (0x80 >> (i & 7)));
+        if (skip) {
+            for (int c = 0; c < columns; c++)
+                at[c] += len[c];
+            continue;
+        }
+        PyObject *key = key_col < 0 ? Py_NewRef(Py_None) : blob_item(data, at[key_col], len[key_col], 1);
+        PyObject *value = blob_item(data, at[value_col], len[value_col], 0);
+        PyObject *message_id = id_col < 0 ? Py_NewRef(Py_None) : blob_item(data, at[id_col], len[id_col], 1);
+        int w = snprintf(buf, sizeof buf, "%llu-%llu", ms, first_seq + (unsigned long long)i);
+        PyObject *offset = PyUnicode_DecodeASCII(buf, w, NULL);
+        PyObject *timestamp = (flags & B_STAMPS) ? PyLong_FromUnsignedLongLong(be64(b + stamps_at + 8 * (unsigned long long)i))
+                                                 : Py_NewRef(ms_obj);
+        PyObject *sequence = base_seq == Py_None ? Py_NewRef(Py_None)
+                                                 : PyLong_FromUnsignedLongLong(base + (unsigned long long)i);
+        PyObject *headers = PyDict_New();
+        PyObject *m = NULL;
+        if (key && value && message_id && offset && timestamp && sequence && headers)
+            m = lay->type->tp_alloc(lay->type, 0);
+        if (m == NULL) {
+            Py_XDECREF(key);
+            Py_XDECREF(value);
+            Py_XDECREF(message_id);
+            Py_XDECREF(offset);
+            Py_XDECREF(timestamp);
+            Py_XDECREF(sequence);
+            Py_XDECREF(headers);
+            Py_DECREF(ms_obj);
+            Py_DECREF(copy.type);
+            return NULL;
+        }
+        SET(m, F_TOPIC, Py_NewRef(topic));
+        SET(m, F_PARTITION, Py_NewRef(partition));
+        SET(m, F_OFFSET, offset);
+        SET(m, F_KEY, key);
+        SET(m, F_VALUE, value);
+        SET(m, F_HEADERS, headers);
+        SET(m, F_TIMESTAMP, timestamp);
+        SET(m, F_PRODUCER, Py_NewRef(producer_id));
+        SET(m, F_SEQUENCE, sequence);
+        SET(m, F_MESSAGE_ID, message_id);
+        SET(m, F_ATTEMPT, Py_NewRef(attempt));
+        int appended = PyList_Append(messages, m);
+        Py_DECREF(m);
+        if (appended < 0) {
+            Py_DECREF(ms_obj);
+            Py_DECREF(copy.type);
+            return NULL;
+        }
+        for (int c = 0; c < columns; c++)
+            at[c] += len[c];
+    }
+    Py_DECREF(ms_obj);
+    Py_DECREF(copy.type);
+    Py_RETURN_TRUE;
+}
+
 /* decode_entries(topic, partition, entries, deliveries=None) -> list[Message]
  *
  * entries is iterated as decode_entries_py iterates it (a list it is given, not a copy: the
@@ -478,6 +649,9 @@ static PyMethodDef methods[] = {
     {"set_layout", set_layout, METH_VARARGS, "set_layout(message_type, slot_names, slow_decode)"},
     {"decode_entries", (PyCFunction)(void (*)(void))decode_entries, METH_VARARGS | METH_KEYWORDS,
      "decode_entries(topic, partition, entries, deliveries=None) -> list of Messages"},
+    {"batch_messages", batch_messages, METH_VARARGS,
+     "batch_messages(messages, topic, partition, blob, n, ms, first_seq, start, stop, "
+     "producer_id, base_seq, attempt, bitmap) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 

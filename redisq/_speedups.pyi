@@ -9,3 +9,19 @@ def set_layout(
 def decode_entries(
     topic: str, partition: int, entries: Sequence[Any], deliveries: Any = None
 ) -> list[Message]: ...
+def batch_messages(
+    messages: list[Message],
+    topic: str,
+    partition: int,
+    blob: bytes,
+    n: int,
+    ms: int,
+    first_seq: int,
+    start: int,
+    stop: int,
+    producer_id: int | None,
+    base_seq: int | None,
+    attempt: int,
+    bitmap: bytes | None,
+    /,
+) -> bool: ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -91,6 +92,9 @@ class PartitionIO:
         # poll() in concurrent mode: messages of entries read beyond max_messages (a batch
         # entry holds many), given by the next poll() (still pending until acked)
         self._leftover: dict[TopicPartition, list[Message]] = {}
+        # poll(): messages per entry last read from each partition (batch entries hold many), so
+        # that a read of `count` messages asks for about count entries' worth, not count entries
+        self._per_entry: dict[TopicPartition, float] = {}
         self.malformed_log = MalformedLog(member)
 
     # -- a pooled connection on the partition's node ---------------------------------------------
@@ -446,7 +450,9 @@ class PartitionIO:
         """poll(): the next messages of a partition (orderly: held keys' messages held back;
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
-            messages = decode_entries(*tp, self.read_range(reader, count))
+            entries = self.read_range(reader, self._entries_for(tp, count))
+            messages = decode_entries(*tp, entries)
+            self._note_per_entry(tp, entries, messages)
             # count entries may hold more messages (batch entries): poll() gives count at most,
             # and the next read resumes inside the entry it stopped in.
             cut = len(messages) > count
@@ -457,14 +463,24 @@ class PartitionIO:
         with self._guard:
             messages = self._leftover.pop(tp, [])
         if not messages:
-            messages = self.claim_idle(tp, count) or list(
-                self.group_messages(tp, self.read_group(tp, count, [], None))
-            )
+            messages = self.claim_idle(tp, count)
+        if not messages:
+            entries = self.read_group(tp, self._entries_for(tp, count), [], None)
+            messages = list(self.group_messages(tp, entries))
+            self._note_per_entry(tp, entries, messages)
         if len(messages) > count:
             with self._guard:
                 self._leftover[tp] = messages[count:]
             messages = messages[:count]
         return messages
+
+    def _entries_for(self, tp: TopicPartition, count: int) -> int:
+        """How many entries to read for about `count` messages of tp (poll())."""
+        return max(1, math.ceil(count / self._per_entry.get(tp, 1.0)))
+
+    def _note_per_entry(self, tp: TopicPartition, entries: list[Any], messages: list[Any]) -> None:
+        if entries and messages:
+            self._per_entry[tp] = max(1.0, len(messages) / len(entries))
 
     def screen(
         self,

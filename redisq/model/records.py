@@ -22,7 +22,7 @@ shared by the consumer, `Broker.read` and the Spark reader:
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any, Protocol
@@ -477,6 +477,37 @@ def _inside(offset: str, span: int, bounds: tuple[Any, Any]) -> bool:
     return (after is None or (at[0], at[1] + span) > after) and (upto is None or at < upto)
 
 
+def _malformed_batch(
+    messages: list[Message],
+    topic: str,
+    partition: int,
+    offset: str,
+    at: tuple[int, int] | None,
+    flat: Any,
+    attempt: int,
+    bounds: tuple[Any, Any] | None,
+    exc: Exception,
+) -> None:
+    """A batch entry that broke a rule, as one MalformedMessage at its ID (unless it lies
+    outside the read's bounds)."""
+    if bounds is not None and not _inside(offset, 0, bounds):
+        return
+    reason = str(exc) if isinstance(exc, ValueError) else f"undecodable batch entry: {exc!r}"
+    messages.append(
+        MalformedMessage(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=None,
+            value=b"",
+            timestamp_ms=at[0] if at is not None else 0,
+            attempt=attempt,
+            reason=f"batch entry: {reason}",
+            raw_fields=tuple(_raw_pairs(flat)),
+        )
+    )
+
+
 def _decode_batch(
     messages: list[Message],
     topic: str,
@@ -515,27 +546,11 @@ def _decode_batch(
         blob = found.get(b"b")
         if type(blob) is not bytes:
             blob = _as_bytes(blob)
-        batch = batches.Batch(blob, n)
-        header_maps = None
-        if batch.headers is not None:
-            header_maps = [decode_headers(h) if h else {} for h in batch.headers]
+        batch = None  # the C loop takes a blob without headers (and refuses a broken one)
+        if _batch_messages is None or (len(blob) > 1 and blob[1] & batches.HEADERS):
+            batch = batches.Batch(blob, n)
     except Exception as exc:  # every rule broken, and anything unforeseen: never raise
-        if bounds is not None and not _inside(offset, 0, bounds):
-            return
-        reason = str(exc) if isinstance(exc, ValueError) else f"undecodable batch entry: {exc!r}"
-        messages.append(
-            MalformedMessage(
-                topic=topic,
-                partition=partition,
-                offset=offset,
-                key=None,
-                value=b"",
-                timestamp_ms=at[0] if at is not None else 0,
-                attempt=attempt,
-                reason=f"batch entry: {reason}",
-                raw_fields=tuple(_raw_pairs(flat)),
-            )
-        )
+        _malformed_batch(messages, topic, partition, offset, at, flat, attempt, bounds, exc)
         return
     start, stop = 0, n
     if bounds is not None:
@@ -550,6 +565,20 @@ def _decode_batch(
                 return
             if upto[0] == ms:
                 stop = max(0, min(n, upto[1] - first_seq))
+    header_maps = None
+    try:
+        if batch is None:
+            if _batch_messages is not None and _batch_messages(
+                messages, topic, partition, blob, n, ms, first_seq, start, stop, pid, base_seq,
+                attempt, bitmap,
+            ):  # fmt: skip
+                return
+            batch = batches.Batch(blob, n)  # refused by C: the rule it breaks, named
+        if batch.headers is not None:
+            header_maps = [decode_headers(h) if h else {} for h in batch.headers]
+    except Exception as exc:
+        _malformed_batch(messages, topic, partition, offset, at, flat, attempt, bounds, exc)
+        return
     keys, values, ids, stamps = batch.keys, batch.values, batch.message_ids, batch.timestamps
     new = object.__new__
     prefix = f"{ms}-"
@@ -693,7 +722,11 @@ class _Decoder(Protocol):
 # faster per entry; it hands every entry outside the plain layouts (batch entries too) to
 # decode_entries_py. A read that cuts entries (after, upto, acked) calls decode_entries_py.
 decode_entries: _Decoder = decode_entries_py
+# _batch_messages: the C loop over a batch entry's messages (its blob without headers), which
+# decode_entries_py calls for every batch entry; None in pure Python.
+_batch_messages: Callable[..., bool] | None = None
 _speedups = native.load()
 if _speedups is not None:
     _speedups.set_layout(Message, _MESSAGE_FIELDS, decode_entries_py)
     decode_entries = _speedups.decode_entries
+    _batch_messages = _speedups.batch_messages

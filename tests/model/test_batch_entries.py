@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from redisq.model import batches
+from redisq.model import batches, records
 from redisq.model.records import (
     MalformedMessage,
     Message,
@@ -129,3 +129,46 @@ def test_the_producers_resp_arguments_become_the_same_blob():
     assert items == [x for m in msgs for x in m]
     blob = batches.blob_from_items("kvhm", 2, items)
     assert blob == batches.encode_batch([b"v1", b""], [b"k1", b"k2"], [b"h", None], [b"m1", b"m2"])
+
+
+needs_c = pytest.mark.skipif(records._batch_messages is None, reason="redisq._speedups not built")
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(message, min_size=1, max_size=9),
+    st.booleans(),
+    st.integers(0, 10),
+    st.integers(0, 10),
+    st.one_of(st.none(), st.binary(max_size=2)),
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=2),
+    st.sampled_from([b"3", None]),
+)
+def test_the_c_loop_and_the_python_loop_give_the_same_messages(
+    msgs, stamped, after, upto, bitmap, flips, base
+):
+    """redisq._speedups.batch_messages builds what decode_entries_py's Python loop builds, for
+    every column mix, cut and settled bitmap, and refuses (the Python decoder naming the rule)
+    every blob the Python decoder refuses: bytes of the blob flipped at random."""
+    blob = batches.encode_batch(
+        [m[1] for m in msgs],
+        [m[0] for m in msgs],
+        [encode_headers(m[2]) if m[2] else None for m in msgs],
+        [m[3] for m in msgs],
+        [1000 + i for i in range(len(msgs))] if stamped else None,
+    )
+    changed = bytearray(blob)
+    for at, byte in flips:
+        if at < len(changed):
+            changed[at] = byte
+    fields = [b"b", bytes(changed), b"n", b"%d" % len(msgs), b"p", b"7"]
+    if base is not None:
+        fields += [b"s", base]
+    entries = [(b"5-2", fields), (b"6-0", [b"v", b"next"])]
+    cuts = {"after": f"5-{after}", "upto": f"5-{2 + upto}", "acked": {"5-2": bitmap}}
+    with_c = decode_entries_py("t", 1, entries, [2, 1], **cuts)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(records, "_batch_messages", None)
+        in_python = decode_entries_py("t", 1, entries, [2, 1], **cuts)
+    assert [(type(m), m) for m in with_c] == [(type(m), m) for m in in_python]
