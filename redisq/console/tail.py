@@ -3,8 +3,10 @@
 Polling rather than a held connection: a tail holds nothing on the server between two polls
 (no thread, no blocked connection), so it stops when the page closes, and one poll is a
 bounded read: one pipelined XRANGE per partition from the cursor (exclusive), at most
-`per_partition` entries each. The cursor is the last offset seen per partition, carried by the
-page ("0:1700000000000-0,1:..."); a partition missing from it (the topic grew since the page
+`per_partition` entries each. The cursor is the ID of the last entry read per partition, not a
+message offset (DESIGN §14.9): a batch entry is read whole and shown as its messages, each at
+its own offset, and "(" + its ID starts after all of them. It is carried by the page
+("0:1700000000000-0,1:..."); a partition missing from it (the topic grew since the page
 opened) is read from its start, since all of it is newer than the page. The page keeps the
 newest messages only, and stops polling after a while (static/console.js).
 """
