@@ -189,9 +189,14 @@ def test_topic_pages_name_the_format_and_count_entries(
     local_broker: redisq.Broker, batch_topic: list[tuple[str, str]]
 ) -> None:
     local_broker.create_topic("plain", partitions=1)
+    for topic in ("bt", "plain"):
+        with local_broker.consumer(topic, "billing", start="earliest") as consumer:
+            consumer.poll(timeout=0.2)  # the group exists; it reads nothing after this
+        local_broker.reset_offsets(topic, "billing", to_earliest=True)
     with running_console(local_broker) as base:
         client = Client(base)
         _, _, page = client.get("/topics/bt")
+        assert cells(page, "topic-groups")[0][3] == f"{BATCHES} entries"  # the lag
         assert re.search(r'<dd id="entry-format">batch\b', page)
         assert '<th class="n">Entries</th>' in page
         assert [r[1] for r in cells(page, "partitions-table")] == [str(BATCHES)]
@@ -202,6 +207,11 @@ def test_topic_pages_name_the_format_and_count_entries(
         rows = {r[0]: r for r in cells(page, "topics-table")}
         assert rows["bt"][2] == f"{BATCHES} entries"
         assert rows["plain"][2] == "0"
+        lags = {r[0]: r[5] for r in cells(page, "groups-table")}
+        assert lags == {"bt": f"{BATCHES} entries", "plain": "0"}
+        _, _, page = client.get("/topics/bt/groups/billing")
+        assert re.search(r'id="total-lag">3</b> <span[^>]*>entries</span>', page)
+        assert "Lag (entries)" in page
 
 
 def test_create_form_chooses_the_entry_format(local_broker: redisq.Broker) -> None:
