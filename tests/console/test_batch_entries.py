@@ -235,3 +235,25 @@ def test_create_form_chooses_the_entry_format(local_broker: redisq.Broker) -> No
             client, headers["location"]
         )
         assert "odd" not in local_broker.list_topics()
+
+
+def test_a_tail_poll_reads_few_batches_and_says_more(
+    local_broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll of a batch topic reads a few entries per partition (each may hold a big batch),
+    says there is more, and the next polls give the rest, every message once, in order."""
+    from redisq.console import tail
+
+    local_broker.create_topic("bt", partitions=1, entry_format="batch")
+    cursor = tail.start_cursor(local_broker, "bt")
+    sent = produce_batches(local_broker, "bt", batches=4)
+    monkeypatch.setattr(tail, "BATCH_TOPIC_READ", 1)
+    seen: list[tuple[str, str]] = []
+    for _ in range(4):
+        batch = tail.read_tail(local_broker, "bt", cursor)
+        assert len(batch.messages) == SIZE and batch.more
+        seen += [(m.offset, (m.value or b"").decode()) for m in batch.messages]
+        cursor = batch.cursor
+    assert seen == sent
+    batch = tail.read_tail(local_broker, "bt", cursor)
+    assert batch.messages == [] and not batch.more
