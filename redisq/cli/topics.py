@@ -18,7 +18,7 @@ from redisq.cli.common import (
     warn,
 )
 from redisq.errors import TopicInUse
-from redisq.model.topic import TopicConfig
+from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS, TopicConfig
 
 
 @click.group("topic")
@@ -46,6 +46,14 @@ def topic() -> None:
     help="How long message ids are remembered (default: the retention age, else 24 h).",
 )
 @click.option(
+    "--entry-format",
+    type=click.Choice(ENTRY_FORMATS),
+    default=DEFAULT_ENTRY_FORMAT,
+    show_default=True,
+    help="message: one stream entry per message (any Redis client reads it); batch: one entry "
+    "per producer batch, each message at its own offset ms-(s+i) (DESIGN §14).",
+)
+@click.option(
     "--exist-ok",
     is_flag=True,
     help="An existing topic with the same partition count (and the other options given) is not "
@@ -58,6 +66,7 @@ def create(
     retention_ms: int,
     retention_messages: int,
     dedup_window_ms: int | None,
+    entry_format: str,
     exist_ok: bool,
 ) -> int:
     """Create topic NAME."""
@@ -68,6 +77,7 @@ def create(
             retention_ms=retention_ms,
             retention_messages=retention_messages,
             dedup_window_ms=dedup_window_ms,
+            entry_format=entry_format,
             exist_ok=exist_ok,
         )
     if exist_ok:
@@ -78,7 +88,12 @@ def create(
                 "nothing changed (topic add-partitions grows it)"
             )
             return FAILED
-    say(f"topic {config.name}: {plural(config.partitions, 'partition')}")
+    shown = (
+        ""
+        if config.entry_format == DEFAULT_ENTRY_FORMAT
+        else f", entry_format={config.entry_format}"
+    )
+    say(f"topic {config.name}: {plural(config.partitions, 'partition')}{shown}")
     return OK
 
 
@@ -90,7 +105,7 @@ def _differences(
     ctx = click.get_current_context()
     given = {
         name
-        for name in ("retention_ms", "retention_messages", "dedup_window_ms")
+        for name in ("retention_ms", "retention_messages", "dedup_window_ms", "entry_format")
         if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
     }
     differences = []
@@ -105,6 +120,9 @@ def _differences(
     dedup = ctx.params["dedup_window_ms"]
     if "dedup_window_ms" in given and config.dedup_window_ms != dedup:
         differences.append(f"dedup_window_ms={config.dedup_window_ms}, not {dedup}")
+    entry_format = ctx.params["entry_format"]
+    if "entry_format" in given and config.entry_format != entry_format:
+        differences.append(f"entry_format={config.entry_format}, not {entry_format}")
     return differences
 
 
@@ -113,16 +131,24 @@ def _differences(
 @connection_options
 def describe(name: str) -> int:
     """Partitions of topic NAME: lengths, first and last offsets, delayed messages scheduled
-    and when the next is due (and nodes of a cluster)."""
+    and when the next is due (and nodes of a cluster). A length is the stream's entries (XLEN):
+    on a batch topic an entry holds a producer batch, so it counts entries, not messages."""
     with connect() as broker:
         description = broker.describe_topic(name)
         cluster = broker.is_cluster
     c = description.config
+    batch = c.entry_format == "batch"
+    total = (
+        plural(description.total_messages, "entry", "entries")
+        if batch
+        else (f"{description.total_messages:,} messages")
+    )
     say(
         f"topic {c.name} (id {c.topic_id}): {plural(c.partitions, 'partition')}, "
+        f"entry_format={c.entry_format}, "
         f"retention_ms={c.retention_ms or 'none'}, "
         f"retention_messages={c.retention_messages or 'none'}, "
-        f"dedup_window_ms={c.dedup_window_ms}, {description.total_messages:,} messages, "
+        f"dedup_window_ms={c.dedup_window_ms}, {total}, "
         f"{description.total_scheduled:,} scheduled"
     )
     rows = [
@@ -130,7 +156,8 @@ def describe(name: str) -> int:
         + ((p.node,) if cluster else ())
         for p in description.partitions
     ]
-    headers = ["partition", "length", "first offset", "last offset", "scheduled", "next due"]
+    length = "length (entries)" if batch else "length"
+    headers = ["partition", length, "first offset", "last offset", "scheduled", "next due"]
     headers += ["node"] if cluster else []
     print_table(rows, headers)
     return OK

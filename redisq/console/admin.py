@@ -23,6 +23,7 @@ from redisq.console.context import Console
 from redisq.console.pages import form_value
 from redisq.errors import InvalidConfig
 from redisq.model.keys import validate_name
+from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS
 from redisq.protocol.topics import MAX_PARTITIONS
 
 Form = list[tuple[str, str]]
@@ -71,18 +72,27 @@ def create_topic_action(console: Console, request: Request, form: Form) -> tuple
         minimum=1000,
         maximum=MAX_SETTING,
     )
+    entry_format = form_value(form, "entry_format").strip() or DEFAULT_ENTRY_FORMAT
+    if entry_format not in ENTRY_FORMATS:
+        raise InvalidConfig(
+            f"Entry format: {entry_format!r} is not one of {', '.join(ENTRY_FORMATS)}"
+        )
     config = console.broker.create_topic(
         name,
         partitions or 1,
         retention_ms=retention_ms or 0,
         retention_messages=retention_messages or 0,
         dedup_window_ms=dedup_window_ms,
+        entry_format=entry_format,
     )
     plural = "s" if config.partitions != 1 else ""
+    shown = (
+        "" if config.entry_format == DEFAULT_ENTRY_FORMAT else f" ({config.entry_format} entries)"
+    )
     return (
         f"/topics/{quote(name, safe='')}",
         "ok",
-        f"Created topic {name!r} with {config.partitions} partition{plural}",
+        f"Created topic {name!r} with {config.partitions} partition{plural}{shown}",
     )
 
 

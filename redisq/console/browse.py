@@ -2,8 +2,10 @@
 its key, and a value shown as text, JSON or hex.
 
 Everything decodes through `redisq.model.records.decode_entries`, the one entry decoder, so the
-console
-shows exactly what a consumer would get (a foreign entry as a MalformedMessage with its reason).
+console shows exactly what a consumer would get (a foreign entry as a MalformedMessage with its
+reason). A batch entry (DESIGN §14) is shown as its messages, one row each at its own offset
+``ms-(s+i)``: pages count messages, not entries, and an offset inside an entry is found in the
+entry that holds it (Broker.read's resume read, XREVRANGE <offset> - COUNT 1, then a cut).
 
 Searches are bounded: a key is looked for in the partition the default partitioner sends it to
 (CRC-32 of the key), newest first, over at most `scan_limit` entries; a message id is first
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING
 from redisq.errors import InvalidConfig, read_reply
 from redisq.model.offsets import offset_before, offset_parts
 from redisq.model.partitioner import partition_for_key
-from redisq.model.records import Message, decode_entries
+from redisq.model.records import Message, decode_entries, decode_entries_py
 from redisq.protocol import Command, Operation, run_operation, text
+from redisq.protocol.topics import read_cuts
 
 if TYPE_CHECKING:
     from redisq.broker import Broker
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
 MAX_COUNT = 500
 SCAN_LIMIT = 20_000  # entries a key or message-id search reads at most per partition
 SHOWN_BYTES = 64 * 1024  # of a value, per view
+# Entries per read of a page of a batch topic (each may hold up to a producer batch of
+# messages): a page of 50 messages needs a few entries, not 50 of them.
+BATCH_TOPIC_READ = 16
 VIEWS = ("text", "json", "hex")
 
 
@@ -81,24 +87,67 @@ def browse(
     count: int = 50,
 ) -> Page:
     """Up to `count` messages from start to end (inclusive unless "(" given); with neither
-    bound, the newest `count`; with only end, the `count` before it. One round trip."""
+    bound, the newest `count`; with only end, the `count` before it. Messages, not entries,
+    are counted: a batch entry gives each of its messages, cut at start and end."""
     broker.check_partition(topic, partition)
     count = max(1, min(count, MAX_COUNT))
-    key = broker.keys.log(topic, partition)
+    size = _read_size(broker, topic, count)
     if start is None:
-        entries = list(reversed(broker.client.xrevrange(key, max=end or "+", min="-", count=count)))
+        messages = _newest(broker, topic, partition, end or "+", count, size)
     else:
-        entries = broker.client.xrange(key, min=start, max=end or "+", count=count)
-    messages = decode_entries(topic, partition, entries)
+        messages = list(
+            broker.read(topic, partition, start=start, end=end or "+", count=count, batch=size)
+        )
     if not messages:
         return Page([], None, None)
     return Page(messages, "(" + messages[0].offset, "(" + messages[-1].offset)
 
 
+def _read_size(broker: Broker, topic: str, count: int) -> int:
+    """Entries per read for `count` messages: as many on a message topic, fewer on a batch topic
+    (the reads go on until `count` messages are found, whatever the entries hold)."""
+    if broker.topic_config(topic).entry_format == "batch":
+        return min(count, BATCH_TOPIC_READ)
+    return count
+
+
+def _newest(
+    broker: Broker, topic: str, partition: int, end: str, count: int, size: int
+) -> list[Message]:
+    """The last `count` messages up to end (Broker.read's bounds: inclusive, or "(" exclusive),
+    oldest first: entries read newest first, the one holding end cut there (read_cuts)."""
+    key = broker.keys.log(topic, partition)
+    upto = read_cuts("-", end)[1]
+    found: list[Message] = []
+    cursor = end
+    while len(found) < count:
+        entries = broker.client.xrevrange(key, max=cursor, min="-", count=size)
+        if not entries:
+            break
+        entries.reverse()
+        if upto is None:
+            found[:0] = decode_entries(topic, partition, entries)
+        else:
+            found[:0] = decode_entries_py(topic, partition, entries, upto=upto)
+        before = offset_before(text(entries[0][0]))
+        if len(entries) < size or before is None:
+            break
+        cursor = before
+    return found[-count:]
+
+
+def message_at(broker: Broker, topic: str, partition: int, offset: str) -> list[Message]:
+    """The message at this offset (none when it is trimmed, a hole, or no offset of the
+    partition): Broker.read from it to it, so an offset inside a batch entry is found in the
+    entry that holds it (DESIGN §14.7: XREVRANGE <offset> - COUNT 1, then the cut)."""
+    return list(broker.read(topic, partition, start=offset, end=offset, count=1, batch=1))
+
+
 def _scan(
     broker: Broker, topic: str, partition: int, wanted: int, limit: int, match: object
 ) -> tuple[list[Message], int]:
-    """Newest first, at most `limit` entries, until `wanted` messages satisfy match(message)."""
+    """Newest first, at most `limit` entries (a batch entry is one, with all its messages),
+    until `wanted` messages satisfy match(message)."""
     key = broker.keys.log(topic, partition)
     found: list[Message] = []
     scanned = 0
@@ -114,6 +163,8 @@ def _scan(
         if len(entries) < batch or before is None:
             break
         cursor = before
+    # Newest first before the cut: a batch entry's messages come oldest first.
+    found.sort(key=lambda m: offset_parts(m.offset), reverse=True)
     return sorted(found[:wanted], key=lambda m: offset_parts(m.offset)), scanned
 
 
@@ -164,8 +215,7 @@ def find_by_message_id(
     remembered = run_operation(lookup(), broker.scripts.execute)
     found: list[Message] = []
     for p, offset in remembered:
-        entries = broker.client.xrange(keys.log(topic, p), min=offset, max=offset, count=1)
-        found += decode_entries(topic, p, entries)
+        found += message_at(broker, topic, p, offset)
     if found:
         return Search(found, len(found), "the dedup window (id -> offset)")
     first = partition_for_key(message_id, config.partitions)

@@ -37,6 +37,7 @@ from redisq.console.search import MAX_COUNT, SCAN_LIMIT, by_key, by_message_id, 
 from redisq.console.tail import read_tail, start_cursor
 from redisq.consume.ownership import assign_partitions
 from redisq.errors import InvalidConfig, read_reply
+from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS
 from redisq.protocol import Command, Operation, text
 from redisq.protocol.overview import group_snapshot, topic_snapshot
 from redisq.protocol.transaction_admin import sweep_now
@@ -82,6 +83,8 @@ def overview(console: Console, request: Request) -> Response:
             "rates": rates,
             "current": current,
             "spark": sparkline,
+            "entry_formats": ENTRY_FORMATS,
+            "default_entry_format": DEFAULT_ENTRY_FORMAT,
         },
     )
 
@@ -95,9 +98,9 @@ def topic_page(console: Console, request: Request) -> Response:
     name = request.path_params["topic"]
     snapshot = console.run(topic_snapshot(console.broker.keys, name, nodes=console.nodes()))
     topic = snapshot.topics[name]
-    chart = line_chart(
-        {"messages/s": console.history.throughput(name)}, title="Throughput", unit="messages/s"
-    )
+    # The throughput is sampled from entries-added: on a batch topic, entries (batches) per second.
+    rate = "entries/s" if topic.config.entry_format == "batch" else "messages/s"
+    chart = line_chart({rate: console.history.throughput(name)}, title="Throughput", unit=rate)
     groups = [snapshot.groups[(name, g)] for g in topic.groups if (name, g) in snapshot.groups]
     return console.render(
         request,
@@ -268,12 +271,17 @@ def group_page(console: Console, request: Request) -> Response:
     pending = _pending_entries(
         console, topic, group, [p.partition for p in snapshot.partitions if p.pending]
     )
-    chart = line_chart(console.history.lag(topic, group), title="Lag", unit="messages")
+    # A batch topic's lengths and lags are the server's, in stream entries (producer batches),
+    # not messages (DESIGN §14.6): the page says so.
+    batch = console.broker.topic_config(topic).entry_format == "batch"
+    unit = "entries" if batch else "messages"
+    chart = line_chart(console.history.lag(topic, group), title="Lag", unit=unit)
     return console.render(
         request,
         "group.html",
         {
             "active": "groups",
+            "unit": unit,
             "g": snapshot,
             "assignment": assignment,
             "holding": holding,

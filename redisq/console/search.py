@@ -12,7 +12,10 @@
 * By message id: browse.find_by_message_id (the dedup window's id -> offset index in every
   partition, one pipelined round trip, then a bounded scan).
 
-Everything decodes through redisq.model.records.decode_entries, as a consumer would.
+Everything decodes through redisq.model.records.decode_entries, as a consumer would: a batch
+entry (DESIGN §14) gives each of its messages at its own offset. Bounds count entries read
+(a batch entry is one), limits count messages; a time range is entry-aligned (the messages of an
+entry share its millisecond).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Polling rather than a held connection: a tail holds nothing on the server between two polls
 (no thread, no blocked connection), so it stops when the page closes, and one poll is a
 bounded read: one pipelined XRANGE per partition from the cursor (exclusive), at most
-`per_partition` entries each. The cursor is the last offset seen per partition, carried by the
-page ("0:1700000000000-0,1:..."); a partition missing from it (the topic grew since the page
+`per_partition` entries each. The cursor is the ID of the last entry read per partition, not a
+message offset (DESIGN §14.9): a batch entry is read whole and shown as its messages, each at
+its own offset, and "(" + its ID starts after all of them. It is carried by the page
+("0:1700000000000-0,1:..."); a partition missing from it (the topic grew since the page
 opened) is read from its start, since all of it is newer than the page. The page keeps the
 newest messages only, and stops polling after a while (static/console.js).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from redisq.console.browse import BATCH_TOPIC_READ
 from redisq.errors import InvalidConfig, read_reply
 from redisq.model.offsets import offset_parts
 from redisq.model.records import Message, decode_entries
@@ -22,7 +25,8 @@ from redisq.protocol import text
 if TYPE_CHECKING:
     from redisq.broker import Broker
 
-MAX_PER_POLL = 500  # entries one poll reads at most (over all partitions, but >= 1 each)
+MAX_PER_POLL = 500  # entries one poll reads at most (over all partitions, but >= 1 each;
+# on a batch topic at most browse.BATCH_TOPIC_READ per partition, each a producer batch)
 START = "0-0"
 
 
@@ -72,6 +76,8 @@ def read_tail(broker: Broker, topic: str, cursor: str) -> TailBatch:
     config = broker.topic_config(topic, refresh=True)
     positions = parse_cursor(cursor, config.partitions)
     per_partition = max(1, MAX_PER_POLL // config.partitions)
+    if config.entry_format == "batch":  # an entry holds a producer batch: fewer per poll
+        per_partition = min(per_partition, BATCH_TOPIC_READ)
     pipe = broker.client.pipeline(transaction=False)
     for p in range(config.partitions):
         after = "(" + positions.get(p, START)
