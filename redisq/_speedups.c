@@ -592,6 +592,180 @@ static PyObject *batch_messages(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+/* blob_from_resp(layout, count, body) -> bytes
+ *
+ * redisq.model.batches.blob_from_items(layout, count, resp_items(body)) in one pass: the blob
+ * of a sealed batch given as its messages' RESP bulk strings (layout letters k, v, h, m, t, one
+ * item each per message; t an ASCII decimal timestamp). ValueError for what the Python version
+ * refuses. */
+static PyObject *blob_from_resp(PyObject *self, PyObject *args) {
+    const char *layout_s;
+    Py_ssize_t stride, count;
+    Py_buffer body;
+    if (!PyArg_ParseTuple(args, "s#ny*:blob_from_resp", &layout_s, &stride, &count, &body))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t *starts = NULL, *lens = NULL;
+    int column_of[8]; /* per layout letter: 0 keys, 1 values, 2 headers, 3 ids, 4 stamps */
+    if (stride < 1 || stride > 8) {
+        PyErr_Format(PyExc_ValueError, "layout %s has %zd letters", layout_s, stride);
+        goto done;
+    }
+    int seen = 0;
+    for (Py_ssize_t j = 0; j < stride; j++) {
+        const char *at = strchr("kvhmt", layout_s[j]);
+        if (layout_s[j] == 0 || at == NULL || (seen & (1 << (at - "kvhmt")))) {
+            PyErr_Format(PyExc_ValueError, "layout %s is not one of letters kvhmt", layout_s);
+            goto done;
+        }
+        column_of[j] = (int)(at - "kvhmt");
+        seen |= 1 << column_of[j];
+    }
+    if (!(seen & 2)) {
+        PyErr_Format(PyExc_ValueError, "layout %s has no value", layout_s);
+        goto done;
+    }
+    if (count < 1 || (unsigned long long)count > 0xFFFFFFFFULL) {
+        PyErr_Format(PyExc_ValueError, "a batch holds 1 to %llu messages, not %zd",
+                     0xFFFFFFFFULL, count);
+        goto done;
+    }
+    Py_ssize_t items = count * stride;
+    starts = PyMem_Malloc(sizeof(Py_ssize_t) * items);
+    lens = PyMem_Malloc(sizeof(Py_ssize_t) * items);
+    if (starts == NULL || lens == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *b = body.buf;
+    Py_ssize_t pos = 0, end = body.len, got = 0;
+    while (pos < end) {
+        if (got == items) {
+            PyErr_Format(PyExc_ValueError, "%zd messages of layout %s are %zd items", count,
+                         layout_s, items);
+            goto done;
+        }
+        if (b[pos] != '$') {
+            PyErr_Format(PyExc_ValueError, "not a RESP bulk string at byte %zd", pos);
+            goto done;
+        }
+        Py_ssize_t p = pos + 1, len = 0;
+        while (p < end && b[p] >= '0' && b[p] <= '9' && len < ((Py_ssize_t)1 << 40))
+            len = len * 10 + (b[p++] - '0');
+        if (p == pos + 1 || p + 1 >= end || b[p] != '\r' || b[p + 1] != '\n' ||
+            len > end - (p + 2) - 2 || b[p + 2 + len] != '\r' || b[p + 3 + len] != '\n') {
+            PyErr_Format(PyExc_ValueError, "not a RESP bulk string at byte %zd", pos);
+            goto done;
+        }
+        starts[got] = p + 2;
+        lens[got] = len;
+        got++;
+        pos = p + 4 + len;
+    }
+    if (got != items) {
+        PyErr_Format(PyExc_ValueError, "%zd messages of layout %s are %zd items", count, layout_s,
+                     items);
+        goto done;
+    }
+    /* which columns are present (an optional column with no item present is left out) */
+    int present[5] = {0, 1, 0, 0, 0};
+    Py_ssize_t where[5] = {-1, -1, -1, -1, -1};
+    for (Py_ssize_t j = 0; j < stride; j++)
+        where[column_of[j]] = j;
+    for (int c = 0; c < 5; c++) {
+        if (where[c] < 0 || c == 1)
+            continue;
+        if (c == 4) {
+            present[4] = 1;
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < count && !present[c]; i++)
+            present[c] = lens[i * stride + where[c]] > 0;
+    }
+    static const int flag_of[4] = {0x01, 0, 0x02, 0x04};
+    int flags = 0, columns = 0;
+    unsigned long long size = 6, data = 0;
+    for (int c = 0; c < 4; c++) {
+        if (!present[c])
+            continue;
+        flags |= flag_of[c];
+        columns++;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t l = lens[i * stride + where[c]];
+            if ((unsigned long long)l > 0xFFFFFFFFULL) {
+                PyErr_SetString(PyExc_ValueError, "an item of 4 GiB or more");
+                goto done;
+            }
+            data += (unsigned long long)l;
+        }
+    }
+    if (present[4])
+        flags |= 0x08;
+    size += 4ULL * (unsigned long long)count * columns + (present[4] ? 8ULL * count : 0) + data;
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (result == NULL)
+        goto done;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(result);
+    o[0] = 1;
+    o[1] = (unsigned char)flags;
+    o[2] = (unsigned char)(count >> 24);
+    o[3] = (unsigned char)(count >> 16);
+    o[4] = (unsigned char)(count >> 8);
+    o[5] = (unsigned char)count;
+    unsigned char *w = o + 6;
+    for (int c = 0; c < 4; c++) {
+        if (!present[c])
+            continue;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            unsigned long long l = (unsigned long long)lens[i * stride + where[c]];
+            w[0] = (unsigned char)(l >> 24);
+            w[1] = (unsigned char)(l >> 16);
+            w[2] = (unsigned char)(l >> 8);
+            w[3] = (unsigned char)l;
+            w += 4;
+        }
+    }
+    if (present[4]) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t k = i * stride + where[4];
+            const char *d = b + starts[k];
+            unsigned long long v = 0;
+            if (lens[k] < 1 || lens[k] > 19) {
+                PyErr_SetString(PyExc_ValueError, "a timestamp is not an ASCII decimal");
+                Py_CLEAR(result);
+                goto done;
+            }
+            for (Py_ssize_t q = 0; q < lens[k]; q++) {
+                if (d[q] < '0' || d[q] > '9') {
+                    PyErr_SetString(PyExc_ValueError, "a timestamp is not an ASCII decimal");
+                    Py_CLEAR(result);
+                    goto done;
+                }
+                v = v * 10 + (unsigned long long)(d[q] - '0');
+            }
+            for (int q = 7; q >= 0; q--) {
+                w[q] = (unsigned char)v;
+                v >>= 8;
+            }
+            w += 8;
+        }
+    }
+    for (int c = 0; c < 4; c++) {
+        if (!present[c])
+            continue;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t k = i * stride + where[c];
+            memcpy(w, b + starts[k], (size_t)lens[k]);
+            w += lens[k];
+        }
+    }
+done:
+    PyMem_Free(starts);
+    PyMem_Free(lens);
+    PyBuffer_Release(&body);
+    return result;
+}
+
 /* decode_entries(topic, partition, entries, deliveries=None) -> list[Message]
  *
  * entries is iterated as decode_entries_py iterates it (a list it is given, not a copy: the
@@ -652,6 +826,8 @@ static PyMethodDef methods[] = {
     {"batch_messages", batch_messages, METH_VARARGS,
      "batch_messages(messages, topic, partition, blob, n, ms, first_seq, start, stop, "
      "producer_id, base_seq, attempt, bitmap) -> bool"},
+    {"blob_from_resp", blob_from_resp, METH_VARARGS,
+     "blob_from_resp(layout, count, body) -> bytes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redisq.model.batches import blob_from_items, resp_items
+from redisq.model.batches import blob_from_resp
 from redisq.model.keys import KeySpace
 from redisq.model.topic import TopicConfig
 from redisq.protocol import Command, ScriptCall, Step, text
@@ -157,7 +157,7 @@ def _body(batch: SealedBatch, sequences: bool, packed: bool = False) -> tuple[by
     """The batch's arguments joined once; a retry sends exactly these bytes. packed: one
     argument, the batch's blob (a batch entry, model/batches.py), instead of the messages'."""
     if batch.body is None and packed:
-        blob = blob_from_items(batch.layout, batch.count, resp_items(b"".join(batch.args)))
+        blob = blob_from_resp(batch.layout, batch.count, b"".join(batch.args))
         batch.body = b"".join((bulk_header(len(blob)), blob, b"\r\n"))
         batch.body_count = 1
     if batch.body is None:

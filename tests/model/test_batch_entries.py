@@ -172,3 +172,46 @@ def test_the_c_loop_and_the_python_loop_give_the_same_messages(
         patch.setattr(records, "_batch_messages", None)
         in_python = decode_entries_py("t", 1, entries, [2, 1], **cuts)
     assert [(type(m), m) for m in with_c] == [(type(m), m) for m in in_python]
+
+
+layouts = st.sampled_from(["v", "kv", "kvh", "kvm", "kvhm", "vm", "kvt", "kvhmt", "vt"])
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(layouts, st.lists(message, min_size=1, max_size=9), st.integers(0, 2**63 - 1))
+def test_the_c_packer_builds_the_python_packers_blob(layout, msgs, stamp):
+    """redisq._speedups.blob_from_resp(layout, n, RESP arguments) is the blob the Python path
+    builds from the same arguments (empty keys, headers or ids leave their column out)."""
+    columns = {"k": 0, "v": 1, "h": 2, "m": 3}
+    items = []
+    for i, m in enumerate(msgs):
+        for letter in layout:
+            if letter == "t":
+                items.append(b"%d" % (stamp + i))
+            elif letter == "h":
+                items.append(encode_headers(m[2]) if m[2] else b"")
+            else:
+                items.append(m[columns[letter]] or b"")
+    body = b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in items)
+    expected = batches.blob_from_resp_py(layout, len(msgs), body)
+    assert batches.blob_from_resp(layout, len(msgs), body) == expected
+    assert batches.blob_from_resp is not batches.blob_from_resp_py
+
+
+@needs_c
+@pytest.mark.parametrize(
+    ("layout", "count", "body"),
+    [
+        ("kv", 2, b"$1\r\nk\r\n$1\r\nv\r\n"),  # too few items
+        ("kv", 1, b"$1\r\nk\r\n$1\r\nv\r\n$1\r\nx\r\n"),  # too many
+        ("kv", 1, b"$1\r\nk\r\n*1\r\nv\r\n"),  # not a bulk string
+        ("kv", 1, b"$1\r\nk\r\n$5\r\nv\r\n"),  # a length past the end
+        ("kv", 0, b""),  # no message
+    ],
+)
+def test_the_c_packer_refuses_what_the_python_packer_refuses(layout, count, body):
+    with pytest.raises(ValueError):
+        batches.blob_from_resp_py(layout, count, body)
+    with pytest.raises(ValueError):
+        batches.blob_from_resp(layout, count, body)
