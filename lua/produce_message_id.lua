@@ -10,15 +10,16 @@ ARGV[3]  dedup window in ms
 ARGV[4]  maxlen retention (0: none)
 ARGV[5]  retention_ms (0: none)
 ARGV[6]  layout letters of the per-message arguments; must contain m (see includes/append.lua);
-         prefixed "b:" on a topic of batch entries: the new messages are packed here
-         (pack_batch) and written as one batch entry, at consecutive offsets
+         prefixed "b:" on a topic of batch entries, where the arguments are the batch's blob
+         (model/batches.py) then its n message ids: the new messages are written as one batch
+         entry at consecutive offsets, the blob as it came when none is a duplicate
 ARGV[7]  number of messages
 ARGV[8]  batch number of this producer instance on this partition (0, 1, 2, ...)
 ARGV[9]  acked_next: the batch number after the producer's last acknowledged batch here (the
          next expected one when the broker holds no state for this PID, or less than that)
 ARGV[10] state_ttl_ms: expiry of the state key, refreshed on every write
 ARGV[11] "1" for a named producer, "0" for an anonymous one (see produce_sequence.lua)
-ARGV[12...] the messages, #layout arguments each
+ARGV[12...] the messages, #layout arguments each (with "b:", the blob and the ids)
 
 The ids live in the partition's dedup ring (includes/dedup.lua): remembered for at least one
 window and at most two, whatever the clocks of the producers that send it. Retention by age is
@@ -112,8 +113,14 @@ local count = tonumber(ARGV[7])
 -- written at.
 local stride = #layout
 local message_ids = {}
-for i = 1, count do
-  message_ids[i] = ARGV[12 + (i - 1) * stride + m_at]
+if packed then
+  for i = 1, count do
+    message_ids[i] = ARGV[12 + i]
+  end
+else
+  for i = 1, count do
+    message_ids[i] = ARGV[12 + (i - 1) * stride + m_at]
+  end
 end
 local function lookup(bucket)
   if count <= 1000 then
@@ -163,7 +170,10 @@ if packed then
   for i = 0, count - 1 do
     keep[i] = claim(i)
   end
-  local blob, n = pack_batch(layout, 12, count, function(i) return keep[i] end)
+  local blob, n = ARGV[12], count
+  if duplicates > 0 then
+    blob, n = repack_batch(blob, function(i) return keep[i] end)
+  end
   appended = {count = 0, ids = {}}
   if n > 0 then
     local entry = append_batch(KEYS[1], blob, tostring(n), producer_id, nil)

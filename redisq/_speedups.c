@@ -592,20 +592,23 @@ static PyObject *batch_messages(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* blob_from_resp(layout, count, body) -> bytes
+/* blob_from_resp(layout, count, body, with_ids=False) -> bytes, or (bytes, bytes)
  *
  * redisq.model.batches.blob_from_items(layout, count, resp_items(body)) in one pass: the blob
  * of a sealed batch given as its messages' RESP bulk strings (layout letters k, v, h, m, t, one
  * item each per message; t an ASCII decimal timestamp). ValueError for what the Python version
- * refuses. */
+ * refuses. with_ids: (the blob, the message ids' own bulk strings, in order), the arguments of
+ * produce_message_id.lua on a topic of batch entries. */
 static PyObject *blob_from_resp(PyObject *self, PyObject *args) {
     const char *layout_s;
     Py_ssize_t stride, count;
     Py_buffer body;
-    if (!PyArg_ParseTuple(args, "s#ny*:blob_from_resp", &layout_s, &stride, &count, &body))
+    int with_ids = 0;
+    if (!PyArg_ParseTuple(args, "s#ny*|p:blob_from_resp", &layout_s, &stride, &count, &body,
+                          &with_ids))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t *starts = NULL, *lens = NULL;
+    Py_ssize_t *starts = NULL, *lens = NULL, *heads = NULL;
     int column_of[8]; /* per layout letter: 0 keys, 1 values, 2 headers, 3 ids, 4 stamps */
     if (stride < 1 || stride > 8) {
         PyErr_Format(PyExc_ValueError, "layout %s has %zd letters", layout_s, stride);
@@ -633,7 +636,8 @@ static PyObject *blob_from_resp(PyObject *self, PyObject *args) {
     Py_ssize_t items = count * stride;
     starts = PyMem_Malloc(sizeof(Py_ssize_t) * items);
     lens = PyMem_Malloc(sizeof(Py_ssize_t) * items);
-    if (starts == NULL || lens == NULL) {
+    heads = PyMem_Malloc(sizeof(Py_ssize_t) * items);
+    if (starts == NULL || lens == NULL || heads == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -657,6 +661,7 @@ static PyObject *blob_from_resp(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "not a RESP bulk string at byte %zd", pos);
             goto done;
         }
+        heads[got] = pos;
         starts[got] = p + 2;
         lens[got] = len;
         got++;
@@ -672,6 +677,10 @@ static PyObject *blob_from_resp(PyObject *self, PyObject *args) {
     Py_ssize_t where[5] = {-1, -1, -1, -1, -1};
     for (Py_ssize_t j = 0; j < stride; j++)
         where[column_of[j]] = j;
+    if (with_ids && where[3] < 0) {
+        PyErr_Format(PyExc_ValueError, "layout %s has no message id", layout_s);
+        goto done;
+    }
     for (int c = 0; c < 5; c++) {
         if (where[c] < 0 || c == 1)
             continue;
@@ -759,7 +768,29 @@ static PyObject *blob_from_resp(PyObject *self, PyObject *args) {
             w += lens[k];
         }
     }
+    if (with_ids) { /* and the ids' own bulk strings, copied from the body */
+        Py_ssize_t ids_size = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t k = i * stride + where[3];
+            ids_size += starts[k] + lens[k] + 2 - heads[k];
+        }
+        PyObject *ids = PyBytes_FromStringAndSize(NULL, ids_size);
+        if (ids == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        char *iw = PyBytes_AS_STRING(ids);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t k = i * stride + where[3];
+            Py_ssize_t whole = starts[k] + lens[k] + 2 - heads[k];
+            memcpy(iw, b + heads[k], (size_t)whole);
+            iw += whole;
+        }
+        Py_SETREF(result, PyTuple_Pack(2, result, ids));
+        Py_DECREF(ids);
+    }
 done:
+    PyMem_Free(heads);
     PyMem_Free(starts);
     PyMem_Free(lens);
     PyBuffer_Release(&body);
@@ -827,7 +858,7 @@ static PyMethodDef methods[] = {
      "batch_messages(messages, topic, partition, blob, n, ms, first_seq, start, stop, "
      "producer_id, base_seq, attempt, bitmap) -> bool"},
     {"blob_from_resp", blob_from_resp, METH_VARARGS,
-     "blob_from_resp(layout, count, body) -> bytes"},
+     "blob_from_resp(layout, count, body, with_ids=False) -> bytes, or (blob, the ids' RESP)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,5 @@
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from redisq.records import Message
 
@@ -25,4 +25,9 @@ def batch_messages(
     bitmap: bytes | None,
     /,
 ) -> bool: ...
+@overload
 def blob_from_resp(layout: str, count: int, body: bytes, /) -> bytes: ...
+@overload
+def blob_from_resp(
+    layout: str, count: int, body: bytes, with_ids: Literal[True], /
+) -> tuple[bytes, bytes]: ...

@@ -162,54 +162,54 @@ local function append_batch(stream, blob, count, producer_id, base_seq)
   return {count = n, first = id, last = last}
 end
 
--- pack_batch(layout, first, count, keep): the blob (model/batches.py, version 1) of the messages
---   whose arguments start at ARGV[first], #layout arguments each (letters k v h m t), leaving out
---   message i when keep(i) is false. Returns the blob and the number of messages in it.
-local function pack_batch(layout, first, count, keep)
-  local stride = #layout
-  local columns = {}
-  local flags = 0
-  local order = {}
-  for _, spec in ipairs({{'k', 1}, {'v', 0}, {'h', 2}, {'m', 4}}) do
-    local at = string.find(layout, spec[1], 1, true)
-    if at then
-      order[#order + 1] = at - 1
-      flags = flags + spec[2]
+-- repack_batch(blob, keep): the blob (model/batches.py, version 1) of the messages of `blob`
+--   (one the client packed) without message i when keep(i) is false; and its count. Only a
+--   batch with duplicates is repacked: the blob of one without is written as it came.
+local function repack_batch(blob, keep)
+  local unpack1, pack = struct.unpack, struct.pack
+  local _, flags, n = unpack1('>BBI4', blob)
+  local function has(flag)
+    return math.floor(flags / flag) % 2 == 1
+  end
+  local columns = 1
+  for _, flag in ipairs({1, 2, 4}) do
+    if has(flag) then
+      columns = columns + 1
     end
   end
-  local t_at = string.find(layout, 't', 1, true)
-  if t_at then
-    flags = flags + 8
+  local lengths = {}
+  local pos = 7
+  for j = 1, n * columns do
+    lengths[j] = unpack1('>I4', blob, pos)
+    pos = pos + 4
   end
-  local lengths, data, stamps = {}, {}, {}
-  local kept = {}
-  for i = 0, count - 1 do
-    if not keep or keep(i) then
-      kept[#kept + 1] = first + i * stride
+  local stamps_at = pos
+  if has(8) then
+    pos = pos + 8 * n
+  end
+  local kept, new_lengths, stamps, data = 0, {}, {}, {}
+  for i = 0, n - 1 do
+    if keep(i) then
+      kept = kept + 1
+      if has(8) then
+        stamps[kept] = string.sub(blob, stamps_at + 8 * i, stamps_at + 8 * i + 7)
+      end
     end
   end
-  local n = #kept
-  local pack, argv = struct.pack, ARGV
-  for c = 1, #order do
-    local offset = order[c]
+  for c = 0, columns - 1 do
     local column = {}
-    for j = 1, n do
-      local item = argv[kept[j] + offset]
-      lengths[#lengths + 1] = pack('>I4', #item)
-      column[j] = item
+    for i = 0, n - 1 do
+      local length = lengths[c * n + i + 1]
+      if keep(i) then
+        new_lengths[#new_lengths + 1] = pack('>I4', length)
+        column[#column + 1] = string.sub(blob, pos, pos + length - 1)
+      end
+      pos = pos + length
     end
-    data[c] = table.concat(column)
+    data[c + 1] = table.concat(column)
   end
-  if t_at then
-    for j = 1, n do
-      -- u64 big-endian of a value below 2^48 (the client checks it): two u32 halves.
-      local stamp = tonumber(argv[kept[j] + t_at - 1])
-      local high = math.floor(stamp / 4294967296)
-      stamps[j] = pack('>I4I4', high, stamp - high * 4294967296)
-    end
-  end
-  return pack('>BBI4', 1, flags, n) .. table.concat(lengths) .. table.concat(stamps) ..
-    table.concat(data), n
+  return pack('>BBI4', 1, flags, kept) .. table.concat(new_lengths) .. table.concat(stamps) ..
+    table.concat(data), kept
 end
 
 -- batch_maxlen(maxlen, count): retention by count on a partition of batch entries, where MAXLEN

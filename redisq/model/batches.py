@@ -104,6 +104,17 @@ def blob_from_resp_py(layout: str, count: int, body: bytes) -> bytes:
     return blob_from_items(layout, count, resp_items(body))
 
 
+def blob_and_ids_py(layout: str, count: int, body: bytes) -> tuple[bytes, bytes]:
+    """blob_from_resp_py, and the messages' ids as their own RESP bulk strings, in order: what
+    produce_message_id.lua takes for a topic of batch entries (layout with an m)."""
+    if "m" not in layout:
+        raise ValueError(f"layout {layout} has no message id")
+    items = resp_items(body)
+    blob = blob_from_items(layout, count, items)
+    ids = items[layout.index("m") :: len(layout)]
+    return blob, b"".join(b"$%d\r\n%s\r\n" % (len(i), i) for i in ids)
+
+
 def resp_items(body: bytes) -> list[bytes]:
     """The strings of a run of RESP bulk strings (``$<len>\\r\\n<data>\\r\\n`` ...): how a
     sealed batch holds its messages' arguments (protocol.produce.encode_message)."""
@@ -248,6 +259,11 @@ def cut_entry(entry: Any, position: str, inclusive: bool) -> list[Any]:
 # blob_from_resp: redisq._speedups' one-pass C version when it was built (the same blob, the
 # same ValueErrors for what the producer never sends), else the Python one.
 blob_from_resp: Callable[[str, int, bytes], bytes] = blob_from_resp_py
+blob_and_ids: Callable[[str, int, bytes], tuple[bytes, bytes]] = blob_and_ids_py
 _speedups = native.load()
 if _speedups is not None:
     blob_from_resp = _speedups.blob_from_resp
+    _pack = _speedups.blob_from_resp
+
+    def blob_and_ids(layout: str, count: int, body: bytes) -> tuple[bytes, bytes]:
+        return _pack(layout, count, body, True)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redisq.model.batches import blob_from_resp
+from redisq.model.batches import blob_and_ids, blob_from_resp
 from redisq.model.keys import KeySpace
 from redisq.model.topic import TopicConfig
 from redisq.protocol import Command, ScriptCall, Step, text
@@ -153,13 +153,19 @@ def sequence_bulks(first: int, count: int) -> bytes:
     return "".join(runs).encode()
 
 
-def _body(batch: SealedBatch, sequences: bool, packed: bool = False) -> tuple[bytes, int]:
+def _body(
+    batch: SealedBatch, sequences: bool, packed: bool = False, with_ids: bool = False
+) -> tuple[bytes, int]:
     """The batch's arguments joined once; a retry sends exactly these bytes. packed: one
-    argument, the batch's blob (a batch entry, model/batches.py), instead of the messages'."""
+    argument, the batch's blob (a batch entry, model/batches.py), instead of the messages';
+    with_ids: then the messages' ids, one argument each (produce_message_id.lua)."""
     if batch.body is None and packed:
-        blob = blob_from_resp(batch.layout, batch.count, b"".join(batch.args))
-        batch.body = b"".join((bulk_header(len(blob)), blob, b"\r\n"))
-        batch.body_count = 1
+        if with_ids:
+            blob, ids = blob_and_ids(batch.layout, batch.count, b"".join(batch.args))
+        else:
+            blob, ids = blob_from_resp(batch.layout, batch.count, b"".join(batch.args)), b""
+        batch.body = b"".join((bulk_header(len(blob)), blob, b"\r\n", ids))
+        batch.body_count = 1 + (batch.count if with_ids else 0)
     if batch.body is None:
         parts = batch.args
         batch.body_count = batch.count * len(batch.layout)
@@ -218,7 +224,7 @@ def produce(
             count,
         )
     if mode == "message_id":
-        body, count = _body(batch, sequences=False)
+        body, count = _body(batch, sequences=False, packed=packed, with_ids=packed)
         return ScriptCall(
             "produce_message_id",
             (
@@ -233,7 +239,7 @@ def produce(
                 config.dedup_window_ms,
                 config.retention_messages,
                 config.retention_ms,
-                # "b:": the new messages are written as one batch entry (packed by the script)
+                # "b:": the batch's blob then its ids, written as one batch entry
                 f"b:{batch.layout}" if packed else batch.layout,
                 batch.count,
                 batch.base_seq,  # the batch number, in this mode

@@ -215,3 +215,27 @@ def test_the_c_packer_refuses_what_the_python_packer_refuses(layout, count, body
         batches.blob_from_resp_py(layout, count, body)
     with pytest.raises(ValueError):
         batches.blob_from_resp(layout, count, body)
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["vm", "kvm", "kvhm", "kvmt"]), st.lists(message, min_size=1, max_size=9))
+def test_the_c_packer_gives_the_ids_as_the_python_packer_does(layout, msgs):
+    columns = {"k": 0, "v": 1, "h": 2, "m": 3}
+    items = []
+    for i, m in enumerate(msgs):
+        for letter in layout:
+            if letter == "t":
+                items.append(b"%d" % (1000 + i))
+            elif letter == "h":
+                items.append(encode_headers(m[2]) if m[2] else b"")
+            else:
+                items.append(
+                    m[columns[letter]] or b"id%d" % i
+                    if letter == "m"
+                    else m[columns[letter]] or b""
+                )
+    body = b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in items)
+    blob, ids = batches.blob_and_ids(layout, len(msgs), body)
+    assert (blob, ids) == batches.blob_and_ids_py(layout, len(msgs), body)
+    assert batches.resp_items(ids) == items[layout.index("m") :: len(layout)]
