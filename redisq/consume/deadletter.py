@@ -32,13 +32,14 @@ from redisq.consume.letters import (
     letter,
 )
 from redisq.errors import GroupNotFound, InvalidConfig, InvalidName, TopicNotFound
+from redisq.model.fields import decode_fields
 from redisq.model.keys import (
     dead_letter_topic,
     parse_dead_letter_topic,
     validate_name,
     validate_topic,
 )
-from redisq.model.records import Message, decode_fields, parse_id_field
+from redisq.model.records import Message, parse_id_field
 from redisq.produce.producer import Producer
 from redisq.protocol.groups import group_exists
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from redisq.model.fields import encode_fields
 from redisq.model.keys import dead_letter_topic
-from redisq.model.records import MalformedMessage, Message, encode_fields
+from redisq.model.records import MalformedMessage, Message
 from redisq.produce.producer_async import Producer
 from redisq.runtime import ALock
 

@@ -21,19 +21,24 @@ shared by the consumer, `Broker.read` and the Spark reader:
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import chain
 from typing import Any, Protocol
 
 from redisq.errors import RedisqError
 from redisq.model import batches, native
-
-_NAME_LEN = struct.Struct(">H")
-_VALUE_LEN = struct.Struct(">I")
-_FIELD_LEN = struct.Struct(">I")
-MAX_ID_FIELD = (1 << 63) - 1
+from redisq.model.fields import (
+    MAX_ID_FIELD,
+    as_bytes,
+    decode_headers,
+    field_map,
+    parse_id_field,
+    raw_pairs,
+    show,
+)
+from redisq.model.fields import encode_headers as encode_headers
+from redisq.model.fields import parse_headers as parse_headers
 
 
 class MalformedEntry(RedisqError, ValueError):
@@ -48,109 +53,6 @@ class MalformedEntry(RedisqError, ValueError):
         self.partition = partition
         self.offset = offset
         self.reason = reason
-
-
-# -- field rules ---------------------------------------------------------------------------------
-def parse_id_field(raw: Any) -> int | None:
-    """A producer id or sequence field (bytes or str) as an int, or None when it breaks the rule:
-    ASCII decimal digits only (no sign, space or "_", which int() would take), at most 19, below
-    2**63. The Spark reader applies the same rule to whole columns."""
-    if isinstance(raw, str):
-        raw = raw.encode("ascii", "replace")
-    if not isinstance(raw, bytes) or not raw.isdigit() or len(raw) > 19:
-        return None
-    number = int(raw)
-    return number if number <= MAX_ID_FIELD else None
-
-
-def encode_headers(headers: Mapping[str, str | bytes] | None) -> bytes:
-    """Encode headers; names are str, values str (stored as UTF-8) or bytes."""
-    if headers is None:
-        return b""
-    if not isinstance(headers, Mapping):  # an empty list too: a mistake, not "no headers"
-        raise TypeError(
-            f"headers must be a mapping of str to str or bytes, not {type(headers).__name__}"
-        )
-    parts: list[bytes] = []
-    for name, value in headers.items():
-        if not isinstance(name, str):
-            raise TypeError(f"header names must be str, not {type(name).__name__}")
-        if isinstance(value, str):
-            value = value.encode()
-        elif not isinstance(value, bytes | bytearray | memoryview):
-            raise TypeError(
-                f"header {name!r}: values must be str or bytes, not {type(value).__name__}"
-            )
-        raw_name = name.encode()
-        if len(raw_name) > 0xFFFF:
-            raise ValueError(f"header name of {len(raw_name)} bytes is longer than 65535")
-        value = bytes(value)
-        parts += [_NAME_LEN.pack(len(raw_name)), raw_name, _VALUE_LEN.pack(len(value)), value]
-    return b"".join(parts)
-
-
-def decode_headers(blob: bytes | None) -> dict[str, bytes]:
-    """Decode a headers blob; ValueError (naming the byte) unless it is complete and exact:
-    a length that runs past the end would otherwise cut a value short without a word."""
-    if not blob:
-        return {}
-    headers: dict[str, bytes] = {}
-    pos = 0
-    end = len(blob)
-    while pos < end:
-        if pos + 2 > end:
-            raise ValueError(f"headers: a name length is cut off at byte {pos} of {end}")
-        (name_len,) = _NAME_LEN.unpack_from(blob, pos)
-        name_end = pos + 2 + name_len
-        if name_end + 4 > end:
-            raise ValueError(f"headers: the header at byte {pos} runs past the end ({end})")
-        try:
-            name = blob[pos + 2 : name_end].decode()
-        except UnicodeDecodeError:
-            raise ValueError(f"headers: the name at byte {pos} is not UTF-8") from None
-        (value_len,) = _VALUE_LEN.unpack_from(blob, name_end)
-        pos = name_end + 4 + value_len
-        if pos > end:
-            raise ValueError(f"headers: the value of {name!r} runs past the end ({end})")
-        headers[name] = blob[name_end + 4 : pos]
-    return headers
-
-
-def parse_headers(blob: bytes | None) -> dict[str, bytes] | None:
-    """decode_headers, leniently: None for a blob that is not a valid headers blob."""
-    try:
-        return decode_headers(blob)
-    except (ValueError, TypeError):
-        return None
-
-
-def encode_fields(pairs: Iterable[tuple[bytes, bytes]]) -> bytes:
-    """A stream entry's raw fields, in order, duplicates kept: per field a 4-byte name length,
-    the name, a 4-byte value length and the value (big-endian). Dead letters of malformed
-    entries keep them this way in the header x-redisq-raw-fields."""
-    parts: list[bytes] = []
-    for name, value in pairs:
-        parts += [_FIELD_LEN.pack(len(name)), name, _FIELD_LEN.pack(len(value)), value]
-    return b"".join(parts)
-
-
-def decode_fields(blob: bytes) -> list[tuple[bytes, bytes]]:
-    """encode_fields undone; ValueError for a blob that is not one."""
-    pairs = []
-    pos = 0
-    end = len(blob)
-    while pos < end:
-        items = []
-        for _ in range(2):
-            if pos + 4 > end:
-                raise ValueError(f"raw fields: a length is cut off at byte {pos} of {end}")
-            (size,) = _FIELD_LEN.unpack_from(blob, pos)
-            pos += 4 + size
-            if pos > end:
-                raise ValueError(f"raw fields: an item runs past the end ({end})")
-            items.append(blob[pos - size : pos])
-        pairs.append((items[0], items[1]))
-    return pairs
 
 
 # -- records -------------------------------------------------------------------------------------
@@ -503,7 +405,7 @@ def _malformed_batch(
             timestamp_ms=at[0] if at is not None else 0,
             attempt=attempt,
             reason=f"batch entry: {reason}",
-            raw_fields=tuple(_raw_pairs(flat)),
+            raw_fields=tuple(raw_pairs(flat)),
         )
     )
 
@@ -527,25 +429,25 @@ def _decode_batch(
         ms, first_seq = at
         n = parse_id_field(found.get(b"n"))
         if n is None or n > batches.MAX_COUNT:
-            raise batches.BadBatch(f"message count n={_show(_as_bytes(found.get(b'n')))}")
+            raise batches.BadBatch(f"message count n={show(as_bytes(found.get(b'n')))}")
         if first_seq + n - 1 > batches.MAX_SEQ:
             raise batches.BadBatch(f"{n} messages from {offset} pass the last stream ID")
         for name in (b"c", b"s"):
             if name in found and parse_id_field(found[name]) is None:
                 raise batches.BadBatch(
-                    f"{name.decode()}={_show(_as_bytes(found[name]))} is not a decimal below 2**63"
+                    f"{name.decode()}={show(as_bytes(found[name]))} is not a decimal below 2**63"
                 )
         producer_id = found.get(b"p")
         pid = None if producer_id is None else parse_id_field(producer_id)
         if producer_id is not None and pid is None:
-            raise batches.BadBatch(f"producer id {_show(_as_bytes(producer_id))} is not a decimal")
+            raise batches.BadBatch(f"producer id {show(as_bytes(producer_id))} is not a decimal")
         base = found.get(b"s")
         base_seq = None if base is None else parse_id_field(base)
         if base_seq is not None and base_seq + n - 1 > MAX_ID_FIELD:
             raise batches.BadBatch(f"sequences from s={base_seq} pass 2**63-1")
         blob = found.get(b"b")
         if type(blob) is not bytes:
-            blob = _as_bytes(blob)
+            blob = as_bytes(blob)
         batch = None  # the C loop takes a blob without headers (and refuses a broken one)
         if _batch_messages is None or (len(blob) > 1 and blob[1] & batches.HEADERS):
             batch = batches.Batch(blob, n)
@@ -568,10 +470,8 @@ def _decode_batch(
     header_maps = None
     try:
         if batch is None:
-            if _batch_messages is not None and _batch_messages(
-                messages, topic, partition, blob, n, ms, first_seq, start, stop, pid, base_seq,
-                attempt, bitmap,
-            ):  # fmt: skip
+            args = (topic, partition, blob, n, ms, first_seq, start, stop, pid, base_seq)
+            if _batch_messages is not None and _batch_messages(messages, *args, attempt, bitmap):
                 return
             batch = batches.Batch(blob, n)  # refused by C: the rule it breaks, named
         if batch.headers is not None:
@@ -627,46 +527,11 @@ def decode_entry(
     return decode_entries(topic, partition, [(entry_id, fields)])[0]
 
 
-def field_map(flat: Any) -> dict[Any, Any] | None:
-    """An entry's fields (a flat list, or a dict) as a dict, the last value of a repeated name
-    counting; None when they do not pair up (the entry is then malformed)."""
-    if type(flat) is dict:
-        return flat
-    if not isinstance(flat, list | tuple) or len(flat) % 2:
-        return None
-    it = iter(flat)
-    return dict(zip(it, it, strict=True))
-
-
-def _raw_pairs(flat: Any) -> list[tuple[bytes, bytes]]:
-    if isinstance(flat, Mapping):
-        items = list(flat.items())
-    elif isinstance(flat, list | tuple):
-        items = list(zip(flat[0::2], flat[1::2], strict=False))
-        if len(flat) % 2:
-            items.append((flat[-1], b""))
-    else:
-        items = []
-    return [(_as_bytes(name), _as_bytes(value)) for name, value in items]
-
-
-def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    return str(value).encode()
-
-
-def _show(raw: bytes, limit: int = 40) -> str:
-    return repr(raw[:limit]) + ("..." if len(raw) > limit else "")
-
-
 def _malformed(
     topic: str, partition: int, offset: str, ms: int, flat: Any, attempt: int
 ) -> MalformedMessage:
     """The slow path: read what can be read and say everything that is wrong."""
-    pairs = _raw_pairs(flat)
+    pairs = raw_pairs(flat)
     reasons: list[str] = []
     if flat is None or not pairs:
         reasons.append("the entry has no fields")
@@ -679,11 +544,11 @@ def _malformed(
     if b"p" in last:
         producer_id = parse_id_field(last[b"p"])
         if producer_id is None:
-            reasons.append(f"producer id {_show(last[b'p'])} is not a decimal below 2**63")
+            reasons.append(f"producer id {show(last[b'p'])} is not a decimal below 2**63")
     if b"s" in last:
         sequence = parse_id_field(last[b"s"])
         if sequence is None:
-            reasons.append(f"sequence {_show(last[b's'])} is not a decimal below 2**63")
+            reasons.append(f"sequence {show(last[b's'])} is not a decimal below 2**63")
     headers: dict[str, bytes] = {}
     if last.get(b"h"):
         try:
