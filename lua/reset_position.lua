@@ -6,6 +6,7 @@ KEYS[1]  the partition stream                  <ns>:{<topic>:<p>}:log
 KEYS[2]  the lease key                         <ns>:{<topic>:<p>}:lease:<group>
 KEYS[3]  the group's partition state hash      <ns>:{<topic>:<p>}:gstate:<group>
 KEYS[4]  the group's held messages hash        <ns>:{<topic>:<p>}:held:<group>
+KEYS[5]  the group's settled bitmaps           <ns>:{<topic>:<p>}:settled:<group>
 ARGV[1]  group name
 ARGV[2]  the position the reset was computed from: the Redis consumer group's last-delivered-id
          as the administrator read it ("" when the stream had no consumer group of that name)
@@ -23,9 +24,10 @@ shifts and lags were computed from the old one.
 
 What a reset writes, all of it or nothing: the position (XGROUP SETID, or XGROUP CREATE on a
 stream the group never read), with ENTRIESREAD when known; a concurrent group's pending entries
-acknowledged (the new position is the whole truth); the blocked message and the takeover count
-cleared, and a previous owner's transaction that still carries a position (pending_tx,
-tx_hold.lua) no longer applies it; held messages at or before the new position dropped.
+acknowledged (the new position is the whole truth) and their settled bitmaps dropped; the
+blocked message and the takeover count cleared, and a previous owner's transaction that still
+carries a position (pending_tx, tx_hold.lua) no longer applies it; held messages at or before
+the new position dropped.
 
 Returns {1, pending entries acknowledged} when reset; {0, the lease value} while a lease is held;
 {2, the position now ("" without a consumer group)} when it is no longer ARGV[2]. In the last two
@@ -68,6 +70,7 @@ else
       end
       acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
     end
+    redis.call('DEL', KEYS[5])  -- the settled parts of batch entries no longer pending
   end
   redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], ARGV[3], unpack(entries_read))
 end

@@ -8,7 +8,7 @@ plus headers saying where it came from and why it failed: x-redisq-topic, -parti
 
 A malformed entry (records.MalformedMessage: not a redisq message) is dead-lettered with what
 could be read as key, value and headers, the reason in x-redisq-error ("MalformedEntry: ..."),
-and every raw field of the entry, in order, in x-redisq-raw-fields (records.encode_fields).
+and every raw field of the entry, in order, in x-redisq-raw-fields (model.fields.encode_fields).
 
 Before the "~" names, the dead-letter topic was "<t>.<g>.dlq", which (pay.eu, billing) and
 (pay, eu.billing) shared. Letters still in such a topic are listed and replayed with the group

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from redisq.consume.letters import DeadLetterWriter
 from redisq.consume.malformed import MalformedLog
 from redisq.consume.ownership import TopicPartition
 from redisq.consume.policies import Backoff, DeadLetter, FailurePolicy, make_policy
-from redisq.consume.settling import EntrySettling
+from redisq.consume.settling import EntrySettling, Settled, batch_entry_ids
 from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
 from redisq.model.keys import KeySpace
 from redisq.model.offsets import offset_parts
@@ -313,11 +313,18 @@ class PartitionIO:
         """XACK what was handled and XREADGROUP from `start` in one write (BLOCK when
         waiting): the entries read, raw (for decode_entries or decode_lazily)."""
         stream = self._keys.log(*tp)
-        ack_ids = self.settling(tp).settle(ack_ids) if ack_ids else ack_ids
+        writes: list[tuple[Any, ...]] = []
+        if ack_ids:
+            settled = self.settling(tp).settle(ack_ids)
+            ack_ids, writes = settled.ready, self._settled_writes(tp, settled)
         commands = calls.group_read_commands(
-            stream, self.group, self.member, count, ack_ids, block_ms, start
+            stream, self.group, self.member, count, ack_ids, block_ms, start, writes
         )
         return calls.group_read_entries(self._exchange(stream, commands), start)
+
+    def _settled_writes(self, tp: TopicPartition, settled: Settled) -> list[tuple[Any, ...]]:
+        key = self._keys.settled_messages(tp[0], tp[1], self.group)
+        return calls.settled_writes(key, settled.whole, settled.partial)
 
     def settling(self, tp: TopicPartition) -> EntrySettling:
         with self._guard:
@@ -333,11 +340,13 @@ class PartitionIO:
         deliveries: Any = None,
         *,
         lazily: bool = False,
+        stored: Mapping[str, bytes] | None = None,
     ) -> Iterable[Message]:
         """The messages of entries a concurrent member was given (read_group, claim_idle): its
         batch entries are remembered until settled whole (consume.settling), and the messages
-        of them it settled before are left out of a redelivery to it."""
-        acked = self.settling(tp).given(entries)
+        of them settled before (by it, or by a member it claimed them from: `stored`, their
+        settled bitmaps read from Redis) are left out."""
+        acked = self.settling(tp).given(entries, stored)
         if acked:
             return decode_entries_py(*tp, entries, deliveries, acked=acked)
         if lazily and deliveries is None:
@@ -364,7 +373,19 @@ class PartitionIO:
                 idle_ms,
             )
         )
-        return list(self.group_messages(tp, claimed.entries, claimed.deliveries))
+        stored = self._stored_bitmaps(tp, claimed.entries)
+        return list(self.group_messages(tp, claimed.entries, claimed.deliveries, stored=stored))
+
+    def _stored_bitmaps(self, tp: TopicPartition, entries: list[Any]) -> dict[str, bytes]:
+        """The settled bitmaps Redis holds for the batch entries among entries just claimed."""
+        ids = batch_entry_ids(entries)
+        if not ids:
+            return {}
+        key = self._keys.settled_messages(tp[0], tp[1], self.group)
+        reply = (self._exchange(key, [("HMGET", key, *ids)]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return {entry: bits for entry, bits in zip(ids, reply, strict=True) if bits}
 
     def ack_group(self, tp: TopicPartition, ids: list[str]) -> int:
         """XACK on the partition's node (a connection the server dropped is replaced first) of
@@ -372,14 +393,19 @@ class PartitionIO:
         acknowledged (a batch entry's messages count as each is settled)."""
         if not ids:
             return 0
-        ready, settled, whole = self.settling(tp).settle_counted(ids)
-        if not ready:
-            return settled
+        settled = self.settling(tp).settle(ids)
         stream = self._keys.log(*tp)
-        reply = (self._exchange(stream, [("XACK", stream, self.group, *ready)]))[0]
-        if isinstance(reply, Exception):
-            raise reply
-        return max(0, int(reply) - whole) + settled
+        commands = self._settled_writes(tp, settled)
+        if settled.ready:
+            commands.insert(0, ("XACK", stream, self.group, *settled.ready))
+        if not commands:
+            return settled.messages
+        replies = self._exchange(stream, commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        acked = int(replies[0]) if settled.ready else 0
+        return max(0, acked - len(settled.whole)) + settled.messages
 
     # -- failures --------------------------------------------------------------------------------
     def dead_letter(
@@ -399,7 +425,9 @@ class PartitionIO:
         writer.write(message, error, attempts)
         if reader is None:
             # The entry is acked once every message of it is settled (consume.settling).
-            ready = self.settling((message.topic, message.partition)).settle([message.offset])
+            tp = (message.topic, message.partition)
+            settled = self.settling(tp).settle([message.offset])
+            ready = settled.ready
             self._scripts.run(
                 calls.dead_letter(
                     self._keys,
@@ -409,6 +437,11 @@ class PartitionIO:
                     ready[0] if ready else "",
                 )
             )
+            writes = self._settled_writes(tp, settled)
+            if writes:  # the settled bitmap of its entry, brought up to date
+                for reply in self._exchange(writes[0][1], writes):
+                    if isinstance(reply, Exception):
+                        raise reply
         if isinstance(message, MalformedMessage):
             self.note_malformed(message, f"dead-lettered to {writer.topic}")
 

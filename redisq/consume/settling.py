@@ -2,20 +2,28 @@
 
 Redis's pending-entries list holds entries, and XACK takes entry IDs: a batch entry of n
 messages is acknowledged once all n are settled (handled or dead-lettered), by its ID. Until
-then its settled messages are remembered here, so a redelivery of the entry to this member (its
-own pending entries after a pause) gives only the others. A member that dies leaves the whole
-entry pending: the member that claims it gets every message of it again (at least once; a
-settled message may be handled twice, as after any crash before an XACK).
+then its settled messages are remembered here, and written beside the pending list as the
+entry's settled bitmap (KeySpace.settled_messages, with the acks that settle them): a member
+that claims the entry from a dead one gets only the messages not settled (`given(stored=)`).
+A message settled after the last write of the bitmap may be handled twice, as after any crash
+before an XACK (at least once).
 
 Message entries (one message, whose offset is the entry ID) pass through unchanged."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from redisq.model.batches import acked_bit as bit
 from redisq.model.batches import parse_offset
+
+
+def sorted_offsets(ms: int, first: int, n: int) -> list[str]:
+    """The offsets of a batch entry's n messages, in order."""
+    return [f"{ms}-{first + i}" for i in range(n)]
 
 
 def _text(raw: Any) -> str:
@@ -41,6 +49,24 @@ def _batch_count(flat: Any) -> int | None:
     return int(raw)
 
 
+def batch_entry_ids(entries: Sequence[Any]) -> list[str]:
+    """The IDs of the batch entries of more than one message among raw entries."""
+    return [_text(entry_id) for entry_id, flat in entries if (_batch_count(flat) or 0) > 1]
+
+
+@dataclass(slots=True)
+class Settled:
+    """What settling some messages does: `ready`, the entry IDs to XACK now (message entries'
+    offsets, batch entries settled whole); `messages`, how many of the offsets were batch
+    entries' messages settled now; `whole`, the batch entries among ready (their bitmaps go);
+    `partial`, entry ID -> settled bitmap of the batch entries still partly unsettled."""
+
+    ready: list[str] = field(default_factory=list)
+    messages: int = 0
+    whole: list[str] = field(default_factory=list)
+    partial: dict[str, bytes] = field(default_factory=dict)
+
+
 class EntrySettling:
     """Batch entries given out and not yet settled whole; thread-safe."""
 
@@ -50,10 +76,13 @@ class EntrySettling:
         self._unsettled: dict[str, set[str]] = {}  # entry ID -> offsets not settled yet
         self._sizes: dict[str, int] = {}  # entry ID -> n
 
-    def given(self, entries: Sequence[Any]) -> dict[str, bytes] | None:
+    def given(
+        self, entries: Sequence[Any], stored: Mapping[str, bytes] | None = None
+    ) -> dict[str, bytes] | None:
         """Raw entries just read (XREADGROUP, XAUTOCLAIM): remember their batch entries. Returns
         the settled bitmaps of entries given before and partly settled since (for the decoder's
-        `acked`, model.records.decode_entries_py), or None when there are none."""
+        `acked`, model.records.decode_entries_py), or None when there are none. stored: the
+        bitmaps kept in Redis for entries this member has not seen (claimed from another)."""
         acked: dict[str, bytes] | None = None
         with self._lock:
             for entry_id, flat in entries:
@@ -76,40 +105,58 @@ class EntrySettling:
                         acked[entry] = bytes(bits)
                     continue
                 offsets = {f"{ms}-{first + i}" for i in range(n)}
+                bitmap = stored.get(entry) if stored else None
+                if bitmap and len(bitmap) == (n + 7) // 8:
+                    left = {
+                        o for i, o in enumerate(sorted_offsets(ms, first, n)) if not bit(bitmap, i)
+                    }
+                    if left:  # (a full bitmap was never written: its entry went with an XACK)
+                        acked = acked or {}
+                        acked[entry] = bytes(bitmap)
+                        offsets = left
                 self._unsettled[entry] = offsets
                 self._sizes[entry] = n
                 for offset in offsets:
                     self._entry_of[offset] = entry
         return acked
 
-    def settle(self, offsets: Iterable[str]) -> list[str]:
-        """Messages settled: the entry IDs to XACK now (message entries' offsets as they are,
-        batch entries once their last message is settled)."""
-        return self.settle_counted(offsets)[0]
-
-    def settle_counted(self, offsets: Iterable[str]) -> tuple[list[str], int, int]:
-        """settle(), and how many of the offsets were batch entries' messages settled now, and
-        how many batch entries the IDs to XACK hold."""
-        ready: list[str] = []
-        settled = whole = 0
+    def settle(self, offsets: Iterable[str]) -> Settled:
+        """Messages settled (acknowledged or dead-lettered): what to XACK and to write."""
+        result = Settled()
+        touched: set[str] = set()
         with self._lock:
             for offset in offsets:
                 # An offset stays known until its entry is settled whole: the offset of a
                 # batch's first message is its entry's ID, which must not be XACKed before.
                 entry = self._entry_of.get(offset)
                 if entry is None:
-                    ready.append(offset)
+                    result.ready.append(offset)
                     continue
                 unsettled = self._unsettled[entry]
                 if offset not in unsettled:
                     continue  # settled before (acked twice)
-                settled += 1
+                result.messages += 1
                 unsettled.discard(offset)
+                touched.add(entry)
                 if not unsettled:
                     self._drop(entry)
-                    ready.append(entry)
-                    whole += 1
-        return ready, settled, whole
+                    touched.discard(entry)
+                    result.ready.append(entry)
+                    result.whole.append(entry)
+            for entry in touched:
+                result.partial[entry] = self._bitmap(entry)
+        return result
+
+    def _bitmap(self, entry: str) -> bytes:
+        n = self._sizes[entry]
+        unsettled = self._unsettled[entry]
+        bits = bytearray((n + 7) // 8)
+        at = parse_offset(entry)
+        if at is not None:
+            for i, offset in enumerate(sorted_offsets(at[0], at[1], n)):
+                if offset not in unsettled:
+                    bits[i >> 3] |= 0x80 >> (i & 7)
+        return bytes(bits)
 
     def _drop(self, entry: str) -> None:
         n = self._sizes.pop(entry)

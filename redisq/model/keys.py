@@ -273,6 +273,11 @@ class KeySpace:
         commit a position, so a held message is remembered here until its key is released)."""
         return f"{self._partition(topic, partition)}:held:{group}"
 
+    def settled_messages(self, topic: str, partition: int, group: str) -> str:
+        """HASH batch entry ID -> bitmap of its settled messages (bit i: message i), for the
+        entries of a concurrent group still pending with part of them settled (DESIGN §14.8)."""
+        return f"{self._partition(topic, partition)}:settled:{group}"
+
     def idempotency(self, topic: str, partition: int, scope: str, ident: str) -> str:
         """STRING "processing:<token>" or "done" of one message for one idempotent handler."""
         return f"{self._partition(topic, partition)}:idem:{scope}:{ident}"

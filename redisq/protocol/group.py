@@ -7,7 +7,7 @@ nothing. Concurrent mode holds no leases: its lease value is "" and the check is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -353,16 +353,31 @@ def group_read_commands(
     ack_ids: Sequence[str],
     block_ms: int | None,
     start: str,
+    settled: Sequence[tuple[Any, ...]] = (),
 ) -> list[tuple[Any, ...]]:
-    """A concurrent member's read, for one write: XACK what it handled (if anything), then
-    XREADGROUP from `start` (">": new entries; "0": its own pending ones), with BLOCK when
-    block_ms is not None. group_read_entries reads the replies."""
+    """A concurrent member's read, for one write: XACK what it handled (if anything) and the
+    settled_writes of its batch entries, then XREADGROUP from `start` (">": new entries; "0":
+    its own pending ones), with BLOCK when block_ms is not None. group_read_entries reads the
+    replies."""
     read: tuple[Any, ...] = ("XREADGROUP", "GROUP", group, member, "COUNT", count)
     if block_ms is not None:
         read += ("BLOCK", block_ms)
-    commands: list[tuple[Any, ...]] = [(*read, "STREAMS", stream, start)]
+    commands: list[tuple[Any, ...]] = [*settled, (*read, "STREAMS", stream, start)]
     if ack_ids:
         commands.insert(0, ("XACK", stream, group, *ack_ids))
+    return commands
+
+
+def settled_writes(
+    settled_key: str, whole: Sequence[str], partial: Mapping[str, bytes]
+) -> list[tuple[Any, ...]]:
+    """The settled bitmaps of a concurrent group's batch entries brought up to date: HDEL of
+    those XACKed whole, HSET of those partly settled (DESIGN §14.8)."""
+    commands: list[tuple[Any, ...]] = []
+    if whole:
+        commands.append(("HDEL", settled_key, *whole))
+    if partial:
+        commands.append(("HSET", settled_key, *[x for pair in partial.items() for x in pair]))
     return commands
 
 

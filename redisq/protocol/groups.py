@@ -193,6 +193,7 @@ def delete_group(
                 keys.group_partition_state(topic, p, group),
                 keys.parked_keys(topic, p, group),
                 keys.held_messages(topic, p, group),
+                keys.settled_messages(topic, p, group),
             )
         )
         for p in range(partitions)

@@ -87,6 +87,7 @@ def reset_position(
             keys.lease(topic, partition, group),
             keys.group_partition_state(topic, partition, group),
             keys.held_messages(topic, partition, group),
+            keys.settled_messages(topic, partition, group),
         ),
         (
             group,

@@ -3,7 +3,7 @@ entries (DESIGN §14.8). No server."""
 
 from __future__ import annotations
 
-from redisq.consume.settling import EntrySettling
+from redisq.consume.settling import EntrySettling, Settled
 from redisq.model.batches import encode_batch
 
 
@@ -14,9 +14,11 @@ def batch(entry_id: bytes, n: int) -> tuple[bytes, list[bytes]]:
 def test_an_entry_is_acked_with_its_last_message_and_a_message_entry_at_once() -> None:
     settling = EntrySettling()
     assert settling.given([batch(b"5-0", 3), batch(b"5-3", 2), (b"6-0", [b"v", b"x"])]) is None
-    assert settling.settle_counted(["5-0", "5-1", "5-3", "6-0"]) == (["6-0"], 3, 0)
-    assert settling.settle_counted(["5-4"]) == (["5-3"], 1, 1)
-    assert settling.settle_counted(["5-2"]) == (["5-0"], 1, 1)
+    assert settling.settle(["5-0", "5-1", "5-3", "6-0"]) == Settled(
+        ["6-0"], 3, [], {"5-0": bytes([0b11000000]), "5-3": bytes([0b10000000])}
+    )
+    assert settling.settle(["5-4"]) == Settled(["5-3"], 1, ["5-3"], {})
+    assert settling.settle(["5-2"]) == Settled(["5-0"], 1, ["5-0"], {})
     assert len(settling) == 0
 
 
@@ -24,10 +26,10 @@ def test_acking_the_first_message_twice_never_acks_its_entry_early() -> None:
     """The first message's offset is the entry's ID: an XACK of it would settle all n."""
     settling = EntrySettling()
     settling.given([batch(b"7-10", 4)])
-    assert settling.settle(["7-10"]) == []
-    assert settling.settle(["7-10", "7-10"]) == []
-    assert settling.settle_counted(["7-11", "7-12"]) == ([], 2, 0)
-    assert settling.settle(["7-13"]) == ["7-10"]
+    assert settling.settle(["7-10"]).ready == []
+    assert settling.settle(["7-10", "7-10"]).ready == []
+    assert settling.settle(["7-11", "7-12"]) == Settled([], 2, [], {"7-10": bytes([0b11100000])})
+    assert settling.settle(["7-13"]).ready == ["7-10"]
 
 
 def test_a_redelivery_to_the_member_leaves_out_what_it_settled() -> None:
@@ -38,3 +40,24 @@ def test_a_redelivery_to_the_member_leaves_out_what_it_settled() -> None:
     assert settling.given(entries) == {"5-0": bytes([0b10000000, 0b11000000])}
     settling.settle([f"5-{i}" for i in range(1, 8)])
     assert settling.given(entries) is None  # settled whole: a new delivery counts anew
+
+
+def test_a_claimer_takes_the_bitmap_a_dead_member_wrote() -> None:
+    """The bitmap stored beside the pending list (written with the dead member's acks) leaves
+    its settled messages out of the claimer's delivery; the claimer's own acks extend it."""
+    dead = EntrySettling()
+    entries = [batch(b"5-0", 10)]
+    dead.given(entries)
+    stored = dead.settle(["5-0", "5-3", "5-9"]).partial
+    assert stored == {"5-0": bytes([0b10010000, 0b01000000])}
+    claimer = EntrySettling()
+    assert claimer.given(entries, stored) == stored
+    left = [f"5-{i}" for i in (1, 2, 4, 5, 6, 7, 8)]
+    assert claimer.settle(left[:-1]).partial == {"5-0": bytes([0b11111111, 0b01000000])}
+    assert claimer.settle(left[-1:]) == Settled(["5-0"], 1, ["5-0"], {})
+
+
+def test_a_bitmap_of_another_size_is_not_trusted() -> None:
+    claimer = EntrySettling()
+    assert claimer.given([batch(b"5-0", 10)], {"5-0": b"\xff"}) is None
+    assert claimer.settle([f"5-{i}" for i in range(9)]).ready == []

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import redisq
 from redisq.consume.deadletter import RAW_FIELDS_HEADER, list_dead_letters
+from redisq.model.fields import decode_fields, encode_fields
 from redisq.model.offsets import offset_parts
 from redisq.model.records import (
     MalformedEntry,
@@ -31,8 +32,6 @@ from redisq.model.records import (
     Message,
     decode_entries,
     decode_entry,
-    decode_fields,
-    encode_fields,
     encode_headers,
     parse_id_field,
 )
