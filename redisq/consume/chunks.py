@@ -80,5 +80,5 @@ def admitted_chunks(
             return
         end = start + size
         chunk = decode_entries(topic, partition, entries[start:end])
-        entries[start:end] = [None] * len(chunk)
+        entries[start:end] = [None] * len(entries[start:end])
         yield chunk
