@@ -20,7 +20,9 @@ from pyspark.sql.datasource import InputPartition
 
 import redisq
 from redisq.errors import PartitionOutOfRange, RedisqError
-from redisq.model.offsets import MAX_STREAM_ID, offset_before
+from redisq.model.batches import MAX_COUNT, parse_offset
+from redisq.model.offsets import MAX_STREAM_ID, MAX_STREAM_ID_PART, offset_before
+from redisq.model.records import parse_id_field
 from redisq.protocol import Command
 from spark_connector.arrow_rows import MalformedCount, arrow_schema, to_record_batch
 from spark_connector.offsets import END_OF_IDS, StreamState, id_less, id_parts, upper_bound
@@ -47,9 +49,26 @@ def xinfo_stream(key: str) -> Command[StreamState]:
         return StreamState(
             first_id=_decode(first[0]) if first else None,
             last_generated_id=_decode(info.get("last-generated-id") or b"0-0"),
+            last_offset=_last_offset(info.get("last-entry")),
         )
 
     return Command(("XINFO", "STREAM", key), decode)
+
+
+def _last_offset(entry: Any) -> str | None:
+    """The last message offset of a batch entry ms-s of n messages, ms-(s+n-1); None for any
+    other entry (or none)."""
+    if not entry or len(entry) != 2:
+        return None
+    entry_id, fields = entry
+    if not isinstance(fields, list) or not fields or fields[0] != b"b" or b"v" in fields[0::2]:
+        return None
+    found = dict(zip(fields[0::2], fields[1::2], strict=False))
+    n = parse_id_field(found.get(b"n"))
+    at = parse_offset(entry_id)
+    if n is None or at is None or not 1 <= n <= MAX_COUNT or at[1] + n - 1 > MAX_STREAM_ID_PART:
+        return None
+    return f"{at[0]}-{at[1] + n - 1}"
 
 
 def xrange(key: str, start: str, end: str, count: int, reverse: bool = False) -> Command[Any]:

@@ -15,6 +15,7 @@ import redisq  # noqa: E402  (after the importorskip in tests/spark/fixtures.py)
 from spark_connector.raw import RawNodes
 from spark_connector.scan import xrange
 from tests.spark.fixtures import (  # noqa: F401
+    broker_url,
     reader,
     spark,
     spark_broker,
@@ -180,3 +181,28 @@ def test_exactly_once_write_into_a_batch_topic(
         assert all(fields[0] == b"b" for _, fields in entries)
         assert len(entries) < sum(1 for r in back if r.partition == p)
     assert as_tuples(back) == expected_rows(spark_broker, "out")
+
+
+def test_audits_count_messages_of_batch_entries(spark: Any, spark_broker: redisq.Broker) -> None:
+    from spark_connector import content_audit, jobs
+
+    batch_topic(spark_broker, "au", 2, 200)
+    df = jobs.read_topic(spark, broker_url(spark_broker), spark_broker.namespace, "au")
+    result = jobs.run_ordering_audit(df)
+    assert result.clean and result.messages == 200
+    assert sum(int(r.messages) for r in result.rows) == 200
+    assert content_audit.run(df).clean
+    # A second entry appended again by a writer without idempotence (a plain XADD of its fields):
+    # every message of it is a duplicate, counted one by one.
+    key = spark_broker.keys.log("au", 1)
+    entry_id, fields = entries_of(spark_broker, "au", 1)[1]  # not the first: sequence 0 opens a run
+    n = int(dict(zip(fields[0::2], fields[1::2], strict=True))[b"n"])
+    assert n > 1
+    spark_broker.client.xadd(key, dict(zip(fields[0::2], fields[1::2], strict=True)))
+    df = jobs.read_topic(spark, broker_url(spark_broker), spark_broker.namespace, "au")
+    result = jobs.run_ordering_audit(df)
+    assert result.messages == 200 + n and result.duplicates == n
+    content = content_audit.run(df)
+    assert content.duplicated == n and {r.partition: r.duplicated for r in content.partitions} == {
+        1: n
+    }
