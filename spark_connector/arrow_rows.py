@@ -341,7 +341,7 @@ def _batch_rows(
     rows = max(0, stop - start)
     if not rows:
         return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in schema], schema=schema)
-    start, stop = start, start + rows
+    stop = start + rows
     buffer = pa.py_buffer(blob)
     if batches.KEYS in spans:
         keys = _column(buffer, *spans[batches.KEYS], start, stop, nullable=True)
