@@ -1,16 +1,20 @@
 """Spark read throughput, side by side in one run, against a single-process XRANGE scan.
 
     python benchmarks/spark_read.py [--url URL] [--messages N] [--master local[2]] [--repeat R]
-                                    [--markdown]
+                                    [--formats message,batch] [--markdown]
 
-One topic of N messages (default 1,000,000; 100-byte payloads, keys "key-<i % 1000>") over 8
-partitions. Variants, each run R times, interleaved; the median counts:
+One topic of N messages per entry format (default 1,000,000; 100-byte payloads, keys
+"key-<i % 1000>") over 8 partitions, written by the producer in batches of up to 1,000: a
+"message" topic holds one entry per message, a "batch" topic one entry per producer batch
+(DESIGN §14). Variants, each run R times, interleaved; the median counts:
 
   xrange     one Python process scans every partition with redis-py XRANGE COUNT 10000 into
              Python lists (entry id, field dict): the baseline
   broker     the same through broker.read(), which builds redisq Message objects
   spark      spark.read.format("redisq")...load().count() on --master (default local[2]);
              the first Spark read (Python worker start-up) is reported apart, as "spark cold"
+broker and spark run on each format's topic; xrange on the message topic (on a batch topic it
+would count entries, not messages).
 
 The ratio column is rows/s divided by the xrange baseline of the same run. Without --url or
 REDIS_URL it uses the embedded valkey-server.
@@ -31,8 +35,8 @@ PARTITIONS = 8
 PAYLOAD = b"x" * 100
 
 
-def load(broker: redisq.Broker, topic: str, n: int) -> None:
-    broker.create_topic(topic, partitions=PARTITIONS)
+def load(broker: redisq.Broker, topic: str, n: int, entry_format: str = "message") -> None:
+    broker.create_topic(topic, partitions=PARTITIONS, entry_format=entry_format)
     with broker.producer(max_batch_messages=1000) as producer:
         send = producer.send_async
         for i in range(n):
@@ -85,42 +89,63 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=1_000_000)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--formats", default="message,batch")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    formats = args.formats.split(",")
 
     from spark_connector.session import get_session
 
     broker = redisq.connect(args.url or os.environ.get("REDIS_URL"), namespace="bench-spark")
     url = args.url or os.environ.get("REDIS_URL") or broker._url  # the embedded server's url
-    topic = f"read-{uuid.uuid4().hex[:8]}"
-    print(f"loading {args.messages:,} messages into {PARTITIONS} partitions ...", file=sys.stderr)
-    start = time.perf_counter()
-    load(broker, topic, args.messages)
-    print(f"loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    topics = {f: f"read-{f}-{uuid.uuid4().hex[:8]}" for f in formats}
+    for entry_format, topic in topics.items():
+        print(
+            f"loading {args.messages:,} messages into {PARTITIONS} partitions "
+            f"({entry_format} entries) ...",
+            file=sys.stderr,
+        )
+        start = time.perf_counter()
+        load(broker, topic, args.messages, entry_format)
+        print(f"loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     spark = get_session(args.master, config={"spark.ui.showConsoleProgress": "false"})
     spark.sparkContext.setLogLevel("ERROR")
-    cold_s, rows = timed(spark_count, spark, url, broker.namespace, topic)
+    first = next(iter(topics.values()))
+    cold_s, rows = timed(spark_count, spark, url, broker.namespace, first)
     assert rows == args.messages, (rows, args.messages)
 
-    results: dict[str, list[float]] = {"xrange": [], "broker": [], "spark": []}
+    runs: list[tuple[str, object]] = []
+    if "message" in topics:
+        runs.append(("xrange", lambda t=topics["message"]: scan_xrange(broker, t)))
+    for entry_format, topic in topics.items():
+        runs.append((f"broker {entry_format}", lambda t=topic: scan_broker(broker, t)))
+        runs.append(
+            (f"spark {entry_format}", lambda t=topic: spark_count(spark, url, broker.namespace, t))
+        )
+    results: dict[str, list[float]] = {name: [] for name, _ in runs}
     for _ in range(args.repeat):
-        for name, run in (
-            ("xrange", lambda: scan_xrange(broker, topic)),
-            ("broker", lambda: scan_broker(broker, topic)),
-            ("spark", lambda: spark_count(spark, url, broker.namespace, topic)),
-        ):
+        for name, run in runs:
             seconds, rows = timed(run)
             assert rows == args.messages, (name, rows)
             results[name].append(args.messages / seconds)
 
-    base = statistics.median(results["xrange"])
-    table = [
-        ("xrange (1 Python process, redis-py)", base),
-        ("broker.read() (1 Python process, Message objects)", statistics.median(results["broker"])),
-        (f"spark {args.master} count()", statistics.median(results["spark"])),
-        (f"spark {args.master} count(), first read (cold)", args.messages / cold_s),
-    ]
+    base = statistics.median(results["xrange"]) if "xrange" in results else float("nan")
+    table = [("xrange (1 Python process, redis-py), message topic", base)]
+    for entry_format in topics:
+        table += [
+            (
+                f"broker.read() (1 process, Message objects), {entry_format} topic",
+                statistics.median(results[f"broker {entry_format}"]),
+            ),
+            (
+                f"spark {args.master} count(), {entry_format} topic",
+                statistics.median(results[f"spark {entry_format}"]),
+            ),
+        ]
+    table.append(
+        (f"spark {args.master} count(), first read (cold), {formats[0]}", args.messages / cold_s)
+    )
     print(
         f"\n{args.messages:,} messages, {PARTITIONS} partitions, {len(PAYLOAD)}-byte values, "
         f"{broker.server}, median of {args.repeat}, {os.cpu_count()} cores"
@@ -131,8 +156,9 @@ def main() -> int:
             print(f"| {name} | {rate:,.0f} | {rate / base:.2f}x |")
     else:
         for name, rate in table:
-            print(f"{name:<52} {rate:>12,.0f} rows/s  {rate / base:5.2f}x")
-    broker.delete_topic(topic)
+            print(f"{name:<64} {rate:>12,.0f} rows/s  {rate / base:5.2f}x")
+    for topic in topics.values():
+        broker.delete_topic(topic)
     broker.close()
     spark.stop()
     return 0

@@ -8,10 +8,11 @@ ARGV[1]  the batch's mark: transaction id, ":", the batch's index in the transac
 ARGV[2]  maxlen retention (0: none)
 ARGV[3]  retention_ms (0: none)
 ARGV[4]  producer id stored with each entry ("" for none)
-ARGV[5]  layout letters of the per-message arguments (see includes/append.lua)
+ARGV[5]  layout letters of the per-message arguments (see includes/append.lua), or "b": the
+         batch is ARGV[8], a blob, written as one batch entry (append_batch, a batch topic)
 ARGV[6]  number of messages
 ARGV[7]  expiry of the mark in ms: only a bound; the transaction's finish shortens it
-ARGV[8...] the messages, #layout arguments each
+ARGV[8...] the messages, #layout arguments each (or the blob)
 
 The batch is appended whole and its mark (KEYS[4], holding the first stream ID) written, in one
 script: a roll-forward repeated after a crash, by the producer, its next instance, a consumer or
@@ -49,7 +50,17 @@ local producer_id = ARGV[4]
 if producer_id == '' then
   producer_id = nil
 end
-local appended = append_messages(KEYS[1], ARGV[5], 8, tonumber(ARGV[6]), producer_id, nil, nil)
+local appended
+local maxlen = tonumber(ARGV[2])
+if ARGV[5] == 'b' then
+  appended = append_batch(KEYS[1], ARGV[8], ARGV[6], producer_id, nil)
+  if not appended then
+    return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
+  end
+  maxlen = batch_maxlen(maxlen, appended.count)
+else
+  appended = append_messages(KEYS[1], ARGV[5], 8, tonumber(ARGV[6]), producer_id, nil, nil)
+end
 redis.call('SET', KEYS[4], appended.first, 'PX', ARGV[7])
-trim_retention(KEYS[1], appended.last, tonumber(ARGV[2]), tonumber(ARGV[3]))
+trim_retention(KEYS[1], appended.last, maxlen, tonumber(ARGV[3]))
 return {'OK', appended.first}

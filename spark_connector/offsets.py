@@ -114,6 +114,9 @@ class StreamState:
 
     first_id: str | None
     last_generated_id: str
+    # The last offset of the last entry when it is a batch entry that claims offsets past the
+    # last generated ID (another client XADDed it without moving the ID on, DESIGN §14.1).
+    last_offset: str | None = None
 
     @property
     def earliest(self) -> str:
@@ -121,7 +124,10 @@ class StreamState:
 
     @property
     def latest(self) -> str:
-        """The next ID: no append can ever get an ID below it (IDs are chosen atomically)."""
+        """The next ID: no append can ever get an ID below it (IDs are chosen atomically);
+        past the last entry's last message when that is later."""
+        if self.last_offset is not None and id_less(self.last_generated_id, self.last_offset):
+            return next_id(self.last_offset)
         return next_id(self.last_generated_id)
 
     def lost_from(self, start: str) -> bool:

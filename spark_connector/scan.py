@@ -20,10 +20,12 @@ from pyspark.sql.datasource import InputPartition
 
 import redisq
 from redisq.errors import PartitionOutOfRange, RedisqError
-from redisq.model.offsets import MAX_STREAM_ID
+from redisq.model.batches import MAX_COUNT, parse_offset
+from redisq.model.offsets import MAX_STREAM_ID, MAX_STREAM_ID_PART, offset_before
+from redisq.model.records import parse_id_field
 from redisq.protocol import Command
 from spark_connector.arrow_rows import MalformedCount, arrow_schema, to_record_batch
-from spark_connector.offsets import StreamState, id_less, id_parts, upper_bound
+from spark_connector.offsets import END_OF_IDS, StreamState, id_less, id_parts, upper_bound
 from spark_connector.options import ReadOptions
 from spark_connector.raw import REDIRECTS, RawNodes, pairs
 
@@ -47,9 +49,26 @@ def xinfo_stream(key: str) -> Command[StreamState]:
         return StreamState(
             first_id=_decode(first[0]) if first else None,
             last_generated_id=_decode(info.get("last-generated-id") or b"0-0"),
+            last_offset=_last_offset(info.get("last-entry")),
         )
 
     return Command(("XINFO", "STREAM", key), decode)
+
+
+def _last_offset(entry: Any) -> str | None:
+    """The last message offset of a batch entry ms-s of n messages, ms-(s+n-1); None for any
+    other entry (or none)."""
+    if not entry or len(entry) != 2:
+        return None
+    entry_id, fields = entry
+    if not isinstance(fields, list) or not fields or fields[0] != b"b" or b"v" in fields[0::2]:
+        return None
+    found = dict(zip(fields[0::2], fields[1::2], strict=False))
+    n = parse_id_field(found.get(b"n"))
+    at = parse_offset(entry_id)
+    if n is None or at is None or not 1 <= n <= MAX_COUNT or at[1] + n - 1 > MAX_STREAM_ID_PART:
+        return None
+    return f"{at[0]}-{at[1] + n - 1}"
 
 
 def xrange(key: str, start: str, end: str, count: int, reverse: bool = False) -> Command[Any]:
@@ -166,18 +185,44 @@ def reader_broker(url: str, namespace: str) -> redisq.Broker:
     return broker
 
 
+def holding_entry(client: Any, key: str, start: str) -> list[Any]:
+    """The batch entry that holds the message offset `start` but begins before it, as [entry]
+    ([] when there is none): a range's first read resumes inside it (DESIGN §14.10), as
+    Broker.read does, since XRANGE from `start` begins at the entry after it.
+
+    An entry begins and ends in one millisecond, so no entry holds an offset <ms>-0 but the one
+    with that ID (which XRANGE gives): then nothing is asked."""
+    if start == END_OF_IDS or id_parts(start)[1] == 0:
+        return []
+    (reply,) = RawNodes(client).run_all([(key, xrange(key, "-", start, 1, reverse=True))])
+    if not reply:
+        return []
+    entry_id, fields = reply[0]
+    if _decode(entry_id) == start or not fields or fields[0] != b"b":
+        return []  # the entry at start (XRANGE gives it), or an entry of one offset before it
+    return [reply[0]]
+
+
 def read_range(opts: ReadOptions, part: RangePartition) -> Iterator[pa.RecordBatch]:
-    """XRANGE [start, end) in fetch_count chunks, one Arrow batch per chunk."""
+    """Messages [start, end) in fetch_count-entry chunks, one Arrow batch per chunk. start and
+    end are message offsets: the first chunk begins with the batch entry holding start, if one
+    begins before it, cut there; a batch entry holding end is cut before it."""
     broker = reader_broker(opts.url, opts.namespace)
     key = broker.keys.log(part.topic, part.partition)
     schema = arrow_schema(opts.include_headers, opts.include_metadata)
     checked = False
     malformed = MalformedCount()
+    head = holding_entry(broker.client, key, part.start)
+    after = offset_before(part.start) if head else None
+    upto = None if part.end == END_OF_IDS else part.end
     for entries in _xrange_chunks(broker.client, key, part.start, part.end, opts.fetch_count):
         if not checked:
             # After the first read: anything trimmed before it is visible to this check.
             _check_data_loss(broker, opts, part)
             checked = True
+        if head:
+            entries = head + list(entries)
+            head = []
         if entries:
             batch = to_record_batch(
                 entries,
@@ -187,7 +232,10 @@ def read_range(opts: ReadOptions, part: RangePartition) -> Iterator[pa.RecordBat
                 opts.include_metadata,
                 schema,
                 malformed,
+                after=after,
+                upto=upto,
             )
+            after = None
             if malformed.first is not None and opts.fail_on_malformed:
                 raise malformed.first
             yield batch

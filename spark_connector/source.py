@@ -190,9 +190,10 @@ class RedisqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _limited_ends(
         self, begin: Mapping[tuple[str, str], str], bounds: Mapping[tuple[str, str], str], rows: int
     ) -> dict[tuple[str, str], str]:
-        """End offsets that take at most `rows` entries in all, shared evenly between the
+        """End offsets that take at most `rows` messages in all, shared evenly between the
         partitions with data (a partition with less gives the rest to the others). Counting
-        runs in the server (count_range.lua): only a count and an ID come back per call."""
+        runs in the server (count_range.lua, counting the messages of batch entries, so an
+        end may fall inside an entry): only a count and an ID come back per call."""
         ends = {tp: begin[tp] for tp in bounds}
         active = sorted(bounds)
         remaining = rows
@@ -208,7 +209,7 @@ class RedisqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 count, last = self.broker.scripts.call(
                     "count_range",
                     [self.broker.keys.log(topic, int(p))],
-                    [ends[tp], count_end(bounds[tp]), quota],
+                    [ends[tp], count_end(bounds[tp]), quota, "messages"],
                     topic=topic,
                 )
                 count = int(count)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redisq.model.batches import blob_from_items, resp_items
 from redisq.model.keys import KeySpace
 from redisq.model.records import decode_headers
 from redisq.model.topic import TopicConfig
@@ -15,7 +16,7 @@ from redisq.model.transactions import TxMessage
 from redisq.protocol import Command, ScriptCall, Step, text
 from redisq.protocol.group import Commit, Lease, parked_and_held, record_args
 from redisq.protocol.produce import BatchResult, ProducerIdentity
-from redisq.protocol.resp import decode_bulks
+from redisq.protocol.resp import bulk, decode_bulks
 from redisq.settings import ProducerSettings
 
 STATES = ("open", "committed", "aborted", "unresolved")
@@ -303,9 +304,14 @@ def apply_batch(
     config: TopicConfig,
     producer_id: int | None,
 ) -> ScriptCall[BatchResult]:
-    """tx_apply.lua: roll staged batch `index` forward into its partition, once."""
+    """tx_apply.lua: roll staged batch `index` forward into its partition, once. On a batch
+    topic (DESIGN §14) the staged messages are appended as one batch entry of their blob."""
     topic, p = batch.topic, batch.partition
     mark = f"{tx_id}:{index}"
+    layout, body, arguments = batch.layout, batch.body, batch.count * len(batch.layout)
+    if config.entry_format == "batch":
+        blob = blob_from_items(batch.layout, batch.count, resp_items(batch.body))
+        layout, body, arguments = "b", bulk(blob), 1
     return ScriptCall(
         "tx_apply",
         (
@@ -319,14 +325,14 @@ def apply_batch(
             config.retention_messages,
             config.retention_ms,
             "" if producer_id is None else producer_id,
-            batch.layout,
+            layout,
             batch.count,
             MARK_KEEP_MS,
         ),
         _applied,
         topic,
-        batch.body,
-        batch.count * len(batch.layout),
+        body,
+        arguments,
     )
 
 
