@@ -6,6 +6,7 @@ handled twice, nothing skipped. Broker.read's bounds cut entries the same way.""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -153,3 +154,21 @@ def test_a_foreign_entry_after_a_batch_gets_an_id_after_every_offset_of_it(
     assert tuple(map(int, foreign_id.split("-"))) > last
     values = [m.value for m in broker.read("t", 0)]
     assert values[-1] == b"foreign" and len(values) == TOTAL + 1
+
+
+def test_run_reads_many_small_entries_in_one_read_without_a_failure(
+    api: Any, broker: redisq.Broker, entry_format: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read of more entries than two decode chunks (consume.chunks), each entry holding
+    several messages: every message once, in order, and no worker failure logged (the chunks
+    were once released by their messages' count, which broke the next chunk)."""
+    broker.create_topic("many", 1, entry_format=entry_format)
+    total = 1200
+    with broker.producer(linger_ms=1000, max_batch_messages=4) as producer:
+        for n in range(total):
+            producer.send_async("many", json.dumps({"n": n}), key="k")
+    handled: list[Any] = []
+    with api.broker.consumer("many", "g", batch_size=1000, **FAST) as consumer:
+        assert consumer.run(handled.append, max_messages=total) == total
+    assert numbers(handled) == list(range(total))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
