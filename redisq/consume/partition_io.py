@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -27,7 +26,7 @@ from redisq.consume.letters import DeadLetterWriter
 from redisq.consume.malformed import MalformedLog
 from redisq.consume.ownership import TopicPartition
 from redisq.consume.policies import Backoff, DeadLetter, FailurePolicy, make_policy
-from redisq.consume.settling import EntrySettling, Settled, batch_entry_ids
+from redisq.consume.settling import EntrySettling, EntrySizes, Settled, batch_entry_ids
 from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
 from redisq.model.keys import KeySpace
 from redisq.model.offsets import offset_parts
@@ -92,9 +91,7 @@ class PartitionIO:
         # poll() in concurrent mode: messages of entries read beyond max_messages (a batch
         # entry holds many), given by the next poll() (still pending until acked)
         self._leftover: dict[TopicPartition, list[Message]] = {}
-        # poll(): messages per entry last read from each partition (batch entries hold many), so
-        # that a read of `count` messages asks for about count entries' worth, not count entries
-        self._per_entry: dict[TopicPartition, float] = {}
+        self._sizes = EntrySizes()  # poll(): entries to read for about max_messages messages
         self.malformed_log = MalformedLog(member)
 
     # -- a pooled connection on the partition's node ---------------------------------------------
@@ -323,7 +320,7 @@ class PartitionIO:
         return calls.group_read_entries(self._exchange(stream, commands), start)
 
     def _settled_writes(self, tp: TopicPartition, settled: Settled) -> list[tuple[Any, ...]]:
-        key = self._keys.settled_messages(tp[0], tp[1], self.group)
+        key = self._keys.settled_messages(*tp, self.group)
         return calls.settled_writes(key, settled.whole, settled.partial)
 
     def settling(self, tp: TopicPartition) -> EntrySettling:
@@ -342,10 +339,8 @@ class PartitionIO:
         lazily: bool = False,
         stored: Mapping[str, bytes] | None = None,
     ) -> Iterable[Message]:
-        """The messages of entries a concurrent member was given (read_group, claim_idle): its
-        batch entries are remembered until settled whole (consume.settling), and the messages
-        of them settled before (by it, or by a member it claimed them from: `stored`, their
-        settled bitmaps read from Redis) are left out."""
+        """The messages of entries given to a concurrent member, less those settled before (by
+        it, or by a member it claimed them from: `stored` bitmaps; consume.settling)."""
         acked = self.settling(tp).given(entries, stored)
         if acked:
             return decode_entries_py(*tp, entries, deliveries, acked=acked)
@@ -381,10 +376,7 @@ class PartitionIO:
         ids = batch_entry_ids(entries)
         if not ids:
             return {}
-        key = self._keys.settled_messages(tp[0], tp[1], self.group)
-        reply = (self._exchange(key, [("HMGET", key, *ids)]))[0]
-        if isinstance(reply, Exception):
-            raise reply
+        reply = self._client.hmget(self._keys.settled_messages(*tp, self.group), ids)
         return {entry: bits for entry, bits in zip(ids, reply, strict=True) if bits}
 
     def ack_group(self, tp: TopicPartition, ids: list[str]) -> int:
@@ -426,8 +418,7 @@ class PartitionIO:
         if reader is None:
             # The entry is acked once every message of it is settled (consume.settling).
             tp = (message.topic, message.partition)
-            settled = self.settling(tp).settle([message.offset])
-            ready = settled.ready
+            ready = (settled := self.settling(tp).settle([message.offset])).ready
             self._scripts.run(
                 calls.dead_letter(
                     self._keys,
@@ -439,9 +430,7 @@ class PartitionIO:
             )
             writes = self._settled_writes(tp, settled)
             if writes:  # the settled bitmap of its entry, brought up to date
-                for reply in self._exchange(writes[0][1], writes):
-                    if isinstance(reply, Exception):
-                        raise reply
+                self._client.execute_command(*writes[0])
         if isinstance(message, MalformedMessage):
             self.note_malformed(message, f"dead-lettered to {writer.topic}")
 
@@ -483,9 +472,9 @@ class PartitionIO:
         """poll(): the next messages of a partition (orderly: held keys' messages held back;
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
-            entries = self.read_range(reader, self._entries_for(tp, count))
+            entries = self.read_range(reader, self._sizes.entries_for(tp, count))
             messages = decode_entries(*tp, entries)
-            self._note_per_entry(tp, entries, messages)
+            self._sizes.note(tp, entries, messages)
             # count entries may hold more messages (batch entries): poll() gives count at most,
             # and the next read resumes inside the entry it stopped in.
             cut = len(messages) > count
@@ -498,22 +487,14 @@ class PartitionIO:
         if not messages:
             messages = self.claim_idle(tp, count)
         if not messages:
-            entries = self.read_group(tp, self._entries_for(tp, count), [], None)
+            entries = self.read_group(tp, self._sizes.entries_for(tp, count), [], None)
             messages = list(self.group_messages(tp, entries))
-            self._note_per_entry(tp, entries, messages)
+            self._sizes.note(tp, entries, messages)
         if len(messages) > count:
             with self._guard:
                 self._leftover[tp] = messages[count:]
             messages = messages[:count]
         return messages
-
-    def _entries_for(self, tp: TopicPartition, count: int) -> int:
-        """How many entries to read for about `count` messages of tp (poll())."""
-        return max(1, math.ceil(count / self._per_entry.get(tp, 1.0)))
-
-    def _note_per_entry(self, tp: TopicPartition, entries: list[Any], messages: list[Any]) -> None:
-        if entries and messages:
-            self._per_entry[tp] = max(1.0, len(messages) / len(entries))
 
     def screen(
         self,

@@ -12,6 +12,7 @@ Message entries (one message, whose offset is the entry ID) pass through unchang
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,3 +170,18 @@ class EntrySettling:
     def __len__(self) -> int:
         with self._lock:
             return len(self._unsettled)
+
+
+class EntrySizes:
+    """poll(): the messages per entry of each partition's last read (a batch entry holds many),
+    so that a read of about `count` messages asks for that many messages' worth of entries."""
+
+    def __init__(self) -> None:
+        self._per_entry: dict[Any, float] = {}
+
+    def entries_for(self, tp: Any, count: int) -> int:
+        return max(1, math.ceil(count / self._per_entry.get(tp, 1.0)))
+
+    def note(self, tp: Any, entries: Sequence[Any], messages: Sequence[Any]) -> None:
+        if entries and messages:
+            self._per_entry[tp] = max(1.0, len(messages) / len(entries))
