@@ -212,7 +212,11 @@ class _TaskWriter:
             number = self._next_batch.get(tp, 0)
             self._next_batch[tp] = number + 1
             count = staged.count * len(staged.layout)
-            batches.append(_Batch(*tp, staged.layout, staged.count, number, [], staged.body, count))
+            # The staged arguments as the batch's: protocol.produce joins them, or packs them
+            # into one blob on a topic of batch entries
+            batches.append(
+                _Batch(*tp, staged.layout, staged.count, number, [staged.body], None, count)
+            )
         calls = [
             protocol.produce(
                 self.keys,
