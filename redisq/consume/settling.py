@@ -20,15 +20,12 @@ from typing import Any
 
 from redisq.model.batches import acked_bit as bit
 from redisq.model.batches import parse_offset
+from redisq.protocol import text
 
 
 def sorted_offsets(ms: int, first: int, n: int) -> list[str]:
     """The offsets of a batch entry's n messages, in order."""
     return [f"{ms}-{first + i}" for i in range(n)]
-
-
-def _text(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _batch_count(flat: Any) -> int | None:
@@ -52,7 +49,7 @@ def _batch_count(flat: Any) -> int | None:
 
 def batch_entry_ids(entries: Sequence[Any]) -> list[str]:
     """The IDs of the batch entries of more than one message among raw entries."""
-    return [_text(entry_id) for entry_id, flat in entries if (_batch_count(flat) or 0) > 1]
+    return [text(entry_id) for entry_id, flat in entries if (_batch_count(flat) or 0) > 1]
 
 
 @dataclass(slots=True)
@@ -90,7 +87,7 @@ class EntrySettling:
                 n = _batch_count(flat)
                 if n is None or n < 2:
                     continue
-                entry = _text(entry_id)
+                entry = text(entry_id)
                 at = parse_offset(entry)
                 if at is None:
                     continue
