@@ -165,10 +165,12 @@ def run_asyncio(url: str | None, namespace: str, topic: str, n: int, mode: str) 
     return asyncio.run(main())
 
 
-def run_latency(broker: redisq.Broker, mode: str, rate: int, seconds: float) -> tuple[float, float]:
-    """p50 and p99 in ms of send -> handler at `rate` msg/s."""
+def run_latency(
+    broker: redisq.Broker, mode: str, rate: int, seconds: float, entry_format: str = "message"
+) -> tuple[float, float]:
+    """p50 and p99 in ms of send -> handler at `rate` msg/s, on a topic of this entry format."""
     topic = f"lat-{uuid.uuid4().hex[:6]}"
-    broker.create_topic(topic, partitions=PARTITIONS)
+    broker.create_topic(topic, partitions=PARTITIONS, entry_format=entry_format)
     latencies: list[float] = []
     lock = threading.Lock()
 
@@ -245,13 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     latency = {}
     for rate in rates:
         for mode in ("orderly", "concurrent"):
-            latency[rate, mode] = run_latency(broker, mode, rate, args.seconds)
+            latency[rate, mode] = run_latency(broker, mode, rate, args.seconds, args.entry_format)
             p50, p99 = latency[rate, mode]
             print(f"  latency {mode} at {rate:,} msg/s: p50 {p50:.2f} ms, p99 {p99:.2f} ms",
                   file=sys.stderr)  # fmt: skip
     broker.delete_topic(topic)
-    if raw_topic != topic:
-        broker.delete_topic(raw_topic)
     if raw_topic != topic:
         broker.delete_topic(raw_topic)
 

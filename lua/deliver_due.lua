@@ -6,6 +6,9 @@ KEYS[2]  the partition's schedule, a zset (id -> due ms)   <ns>:{<topic>:<p>}:sc
 KEYS[3]  the scheduled messages, a hash (id -> message)    <ns>:{<topic>:<p>}:scheduled
 KEYS[4]  delivered ids still refused, a zset (id -> until ms)  <ns>:{<topic>:<p>}:delivered
 KEYS[5]  the partition's scheduler lease                   <ns>:{<topic>:<p>}:schedlease
+KEYS[6]  on a topic of batch entries only: the partition's counters (DESIGN §14.6), a hash
+         <ns>:{<topic>:<p>}:count: each delivered message is counted there (one message, one
+         entry), and retention by count keeps about ARGV[3] messages (includes/append.lua)
 ARGV[1]  the caller's lease token (random per scheduler)
 ARGV[2]  at most this many messages per call
 ARGV[3]  maxlen retention (0: none)
@@ -93,7 +96,12 @@ for _, id in ipairs(due) do
   redis.call('HDEL', KEYS[3], id)
 end
 if last then
-  trim_retention(KEYS[1], last, tonumber(ARGV[3]), tonumber(ARGV[4]))
+  local maxlen = tonumber(ARGV[3])
+  if KEYS[6] then
+    count_appended(KEYS[6], delivered, delivered)
+    maxlen = batch_maxlen(KEYS[1], maxlen, KEYS[6], 1)
+  end
+  trim_retention(KEYS[1], last, maxlen, tonumber(ARGV[4]))
 end
 local next_due = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 if next_due[2] then

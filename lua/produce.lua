@@ -1,6 +1,8 @@
 --[[ produce: append one batch without idempotence (at-least-once; a retry may duplicate).
 
 KEYS[1]  partition stream              <ns>:{<topic>:<p>}:log
+KEYS[2]  with ARGV[4] "b" only: the partition's counters (DESIGN §14.6), a hash
+         <ns>:{<topic>:<p>}:count
 ARGV[1]  producer id (PID), stored with each entry (empty: none)
 ARGV[2]  maxlen retention (0: none)
 ARGV[3]  retention_ms (0: none)
@@ -33,11 +35,11 @@ end
 local appended
 local maxlen = tonumber(ARGV[2])
 if ARGV[4] == 'b' then
-  appended = append_batch(KEYS[1], ARGV[6], ARGV[5], producer_id, nil)
+  appended = append_batch(KEYS[1], ARGV[6], ARGV[5], producer_id, nil, KEYS[2])
   if not appended then
     return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
   end
-  maxlen = batch_maxlen(maxlen, appended.count)
+  maxlen = batch_maxlen(KEYS[1], maxlen, KEYS[2], appended.count)
 else
   appended = append_messages(KEYS[1], ARGV[4], 6, tonumber(ARGV[5]), producer_id, nil, nil)
 end

@@ -4,6 +4,8 @@ KEYS[1]  partition stream                                    <ns>:{<topic>:<p>}:
 KEYS[2]  dedup bucket 0 of the partition, a hash             <ns>:{<topic>:<p>}:dedup:0
 KEYS[3]  dedup bucket 1 of the partition, a hash             <ns>:{<topic>:<p>}:dedup:1
 KEYS[4]  producer state of (partition, PID), a hash         <ns>:{<topic>:<p>}:pid:<pid>
+KEYS[5]  with a "b:" layout only: the partition's counters (DESIGN §14.6), a hash
+         <ns>:{<topic>:<p>}:count
 ARGV[1]  producer id (PID), stored with each entry
 ARGV[2]  epoch of the producer instance
 ARGV[3]  dedup window in ms
@@ -176,7 +178,7 @@ if packed then
   end
   appended = {count = 0, ids = {}}
   if n > 0 then
-    local entry = append_batch(KEYS[1], blob, tostring(n), producer_id, nil)
+    local entry = append_batch(KEYS[1], blob, tostring(n), producer_id, nil, KEYS[5])
     if not entry then
       return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
     end
@@ -189,7 +191,7 @@ if packed then
       end
     end
     appended.count, appended.first, appended.last = n, entry.first, entry.last
-    maxlen = batch_maxlen(maxlen, n)
+    maxlen = batch_maxlen(KEYS[1], maxlen, KEYS[5], n)
   end
 else
   appended = append_messages(KEYS[1], layout, 12, count, producer_id, nil, claim)

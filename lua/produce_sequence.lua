@@ -2,6 +2,8 @@
 
 KEYS[1]  partition stream                              <ns>:{<topic>:<p>}:log
 KEYS[2]  producer state of (partition, PID), a hash     <ns>:{<topic>:<p>}:pid:<pid>
+KEYS[3]  with ARGV[10] "b" only: the partition's counters (DESIGN §14.6), a hash
+         <ns>:{<topic>:<p>}:count
 ARGV[1]  producer id (PID)
 ARGV[2]  epoch of the producer instance
 ARGV[3]  base sequence of the batch
@@ -114,11 +116,11 @@ end
 local appended
 local maxlen = tonumber(ARGV[8])
 if ARGV[10] == 'b' then
-  appended = append_batch(KEYS[1], ARGV[12], ARGV[4], ARGV[1], ARGV[3])
+  appended = append_batch(KEYS[1], ARGV[12], ARGV[4], ARGV[1], ARGV[3], KEYS[3])
   if not appended then
     return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
   end
-  maxlen = batch_maxlen(maxlen, count)
+  maxlen = batch_maxlen(KEYS[1], maxlen, KEYS[3], count)
 else
   appended = append_messages(KEYS[1], ARGV[10], 12, count, ARGV[1], 12 + count * #ARGV[10], nil)
 end

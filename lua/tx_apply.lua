@@ -4,6 +4,7 @@ KEYS[1]  partition stream                                    <ns>:{<topic>:<p>}:
 KEYS[2]  dedup bucket 0 of the partition, a hash             <ns>:{<topic>:<p>}:dedup:0
 KEYS[3]  dedup bucket 1 of the partition, a hash             <ns>:{<topic>:<p>}:dedup:1
 KEYS[4]  the batch's roll-forward mark, a string             <ns>:{<topic>:<p>}:txmark:<mark>
+KEYS[5]  with ARGV[5] "b" only: the partition's counters (§14.6) <ns>:{<topic>:<p>}:count
 ARGV[1]  the batch's mark: transaction id, ":", the batch's index in the transaction
 ARGV[2]  maxlen retention (0: none)
 ARGV[3]  retention_ms (0: none)
@@ -53,11 +54,11 @@ end
 local appended
 local maxlen = tonumber(ARGV[2])
 if ARGV[5] == 'b' then
-  appended = append_batch(KEYS[1], ARGV[8], ARGV[6], producer_id, nil)
+  appended = append_batch(KEYS[1], ARGV[8], ARGV[6], producer_id, nil, KEYS[5])
   if not appended then
     return redis.error_reply('STREAM_ID_EXHAUSTED the batch would pass the last stream ID')
   end
-  maxlen = batch_maxlen(maxlen, appended.count)
+  maxlen = batch_maxlen(KEYS[1], maxlen, KEYS[5], appended.count)
 else
   appended = append_messages(KEYS[1], ARGV[5], 8, tonumber(ARGV[6]), producer_id, nil, nil)
 end

@@ -208,13 +208,20 @@ def _server_families(families: _Families, snapshot: NamespaceSnapshot) -> None:
     produced = families(
         "redisq_messages_produced_total",
         "counter",
-        "Messages appended to the partition (XINFO STREAM entries-added).",
+        "Messages appended to the partition (entries-added; a batch topic's counters).",
     )
     for name, topic in snapshot.topics.items():
         partitions.add(topic.config.partitions, topic=name)
         for stream in topic.partitions:
-            length.add(stream.length, topic=name, partition=stream.partition)
-            produced.add(stream.entries_added, topic=name, partition=stream.partition)
+            # A batch topic's stream counts entries: its messages come from the partition's
+            # counters (DESIGN §14.6), and a partition that cannot tell has no sample.
+            batch = topic.config.entry_format == "batch"
+            holds = stream.messages if batch else stream.length
+            appended = stream.counted if batch else stream.entries_added
+            if holds is not None:
+                length.add(holds, topic=name, partition=stream.partition)
+            if appended is not None:
+                produced.add(appended, topic=name, partition=stream.partition)
 
     consumed = families(
         "redisq_messages_consumed_total",

@@ -44,6 +44,46 @@ def wait_until(
         time.sleep(interval)
 
 
+# The longest test files, slowest first (seconds on CI's loaded 2-core machine, about: the sums of
+# their slow tests in CI's --durations, after the commits that split or trimmed them): run
+# first, so that under `-n 4 --dist loadfile` the other files fill the workers around them rather
+# than these running alone at the end. xdist's default (--loadscope-reorder) sends the files with
+# the most tests first, which put these (a few long tests each) last. Refresh the figures from
+# CI's --durations when they drift; a file missing here is only scheduled later.
+SLOW_FILES = {
+    "tests/docs/test_pages_run_spark.py": 210,  # a JVM per block and per `redisq audit`
+    "tests/spark/test_standalone_retries.py": 200,  # a standalone cluster, three drivers
+    "tests/spark/test_standalone.py": 170,  # a standalone cluster, an executor killed
+    "tests/spark/test_connect.py": 145,  # a Spark Connect server
+    "tests/transactions/test_crash_at_every_step.py": 140,  # 4 soaks of 33 s, 97 short tests
+    "tests/history/test_soak.py": 80,
+    "tests/spark/test_jobs.py": 80,  # the first Spark file of a worker starts its JVM
+    "tests/test_memory_soak.py": 65,
+    "tests/cli/test_cli.py": 60,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order given below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """SLOW_FILES first, slowest first; then the other files, those with more tests first (as
+    xdist would order them). A file's tests stay together and in their order."""
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, name in enumerate(files):
+        counts[name] = counts.get(name, 0) + 1
+        first.setdefault(name, i)
+    rank = {
+        id(item): (-SLOW_FILES.get(name, 0), -counts[name], first[name])
+        for item, name in zip(items, files, strict=True)
+    }
+    items.sort(key=lambda item: rank[id(item)])
+
+
 BACKENDS = [
     "valkey",
     "valkey-cluster",

@@ -90,7 +90,7 @@ def test_memory_falls_back_after_retention() -> None:
                 samples.append((time.monotonic() - start, n + 1, memory))
         produce_s = time.monotonic() - start
         last_write = time.monotonic()
-        retained = sum(p.length for p in broker.describe_topic(TOPIC).partitions)
+        retained = broker.describe_topic(TOPIC).total_messages
         at_end = used_memory(admin)
         keys_at_end = int(admin.dbsize())
         peak = max(peak, at_end)
@@ -105,7 +105,7 @@ def test_memory_falls_back_after_retention() -> None:
                 for p in range(PARTITIONS):
                     ticker.send(TOPIC, b"tick", partition=p)
                 ticks += 1
-                trimmed = sum(p.length for p in broker.describe_topic(TOPIC).partitions)
+                trimmed = broker.describe_topic(TOPIC).total_messages
                 if trimmed <= PARTITIONS * 200 or ticks >= 200:
                     break
 
@@ -128,7 +128,7 @@ def test_memory_falls_back_after_retention() -> None:
             f"at the end of producing {at_end / 1e6:.1f} MB "
             f"({retained:,} messages retained, {keys_at_end - keys_before:,} extra keys)\n"
             f"  after retention + expiry {after / 1e6:.2f} MB (bound: baseline + "
-            f"{BOUND_BYTES / 1e6:.2f} MB); streams trimmed to {trimmed:,} entries by "
+            f"{BOUND_BYTES / 1e6:.2f} MB); streams trimmed to {trimmed:,} messages by "
             f"{ticks} writes per partition; "
             f"{keys_after - keys_before:,} extra keys\n"
             f"  while producing: {(at_end - baseline) / max(retained, 1):.0f} B per retained "
@@ -139,7 +139,10 @@ def test_memory_falls_back_after_retention() -> None:
                 f"    t={elapsed:5.0f} s  producers={producers:6,}  "
                 f"used_memory={memory / 1e6:6.1f} MB"
             )
-        assert peak > baseline + 10 * BOUND_BYTES, "the soak never held much: nothing measured"
+        # How much the window held depends on how fast this machine produced (retention trims
+        # while producing); what must hold is that it held a lot, and that all of it went.
+        assert retained >= messages // 10, f"the soak never held much: {retained:,} retained"
+        assert at_end - baseline > retained * 100, "the retained messages took no memory"
         assert after <= baseline + BOUND_BYTES
         assert trimmed < retained / 10
 

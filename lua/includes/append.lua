@@ -130,23 +130,35 @@ local function append_messages(stream, layout, first, count, producer_id, seq_fi
   return {count = appended, ids = ids, first = first_id, last = id}
 end
 
--- append_batch(stream, blob, count, producer_id, base_seq): one batch entry (DESIGN §14) of
---   `count` messages (ASCII decimal, as sent): fields b (the client's blob), n, p and s when given.
---   XADD takes `*` as any XADD does; XSETID then moves the stream's last ID to the batch's last
---   offset <ms>-<seq + count - 1>, so the next entry of anyone (redisq or another client) gets an
---   ID after every offset of this one. Returns {count, first, last} as append_messages does, or
---   nil (nothing written) when the offsets would pass the last stream ID of the millisecond.
-local function append_batch(stream, blob, count, producer_id, base_seq)
+-- count_appended(counts, messages, entries): on a topic of batch entries the hash `counts`
+--   (<ns>:{<topic>:<p>}:count, DESIGN §14.6) holds m, the messages, and e, the entries redisq
+--   appended to the partition; these are added. Returns m before them (a batch entry's c).
+local function count_appended(counts, messages, entries)
+  redis.call('HINCRBY', counts, 'e', entries)
+  return redis.call('HINCRBY', counts, 'm', messages) - messages
+end
+
+-- append_batch(stream, blob, count, producer_id, base_seq, counts): one batch entry (DESIGN §14)
+--   of `count` messages (ASCII decimal, as sent): fields b (the client's blob), n, c (the
+--   messages appended before it, from counts: count_appended), p and s when given. XADD takes
+--   `*` as any XADD does; XSETID then moves the stream's last ID to the batch's last offset
+--   <ms>-<seq + count - 1>, so the next entry of anyone (redisq or another client) gets an ID
+--   after every offset of this one. Returns {count, first, last} as append_messages does, or nil
+--   (nothing written, nothing counted) when the offsets would pass the last stream ID of the
+--   millisecond.
+local function append_batch(stream, blob, count, producer_id, base_seq, counts)
   local call = redis.call
+  local n = tonumber(count)
+  local before = string.format('%.0f', count_appended(counts, n, 1))
   local id
   if base_seq then
-    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'p', producer_id, 's', base_seq)
+    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'c', before, 'p', producer_id,
+      's', base_seq)
   elseif producer_id then
-    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'p', producer_id)
+    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'c', before, 'p', producer_id)
   else
-    id = call('XADD', stream, '*', 'b', blob, 'n', count)
+    id = call('XADD', stream, '*', 'b', blob, 'n', count, 'c', before)
   end
-  local n = tonumber(count)
   local last = id
   if n > 1 then
     local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -154,6 +166,7 @@ local function append_batch(stream, blob, count, producer_id, base_seq)
     -- every integer below 2^53 exactly, and the entry must not claim offsets it cannot have.
     if #seq > 15 then
       call('XDEL', stream, id)
+      count_appended(counts, -n, -1)
       return nil
     end
     last = ms .. '-' .. string.format('%.0f', tonumber(seq) + n - 1)
@@ -212,13 +225,40 @@ local function repack_batch(blob, keep)
     table.concat(data), kept
 end
 
--- batch_maxlen(maxlen, count): retention by count on a partition of batch entries, where MAXLEN
--- counts entries: about maxlen messages in whole batches of this batch's size (at least one).
-local function batch_maxlen(maxlen, count)
+-- batch_maxlen(stream, maxlen, counts, count): retention by count on a partition of batch entries,
+-- where MAXLEN counts entries: about maxlen messages, in whole entries, at the messages per entry
+-- the partition holds now (m of counts minus the c of its first entry, over its length; a first
+-- entry without c, written before the counters or a delayed message's, takes the average of every
+-- entry counted), or at this batch's size (count) when that is smaller: after large batches,
+-- small ones are kept by the number they need, not by the old average (too many is kept for a
+-- while rather than too few). Nothing counted: one message per entry.
+local function batch_maxlen(stream, maxlen, counts, count)
   if maxlen <= 0 then
     return 0
   end
-  return math.ceil(maxlen / count)
+  local call = redis.call
+  local got = call('HMGET', counts, 'm', 'e')
+  local m, e = tonumber(got[1]), tonumber(got[2])
+  if not m or not e or m <= 0 or e <= 0 then
+    return maxlen
+  end
+  local per_entry = m / e
+  local first = call('XRANGE', stream, '-', '+', 'COUNT', 1)[1]
+  if first then
+    local fields = first[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'c' then
+        local before = tonumber(fields[i + 1])
+        local length = call('XLEN', stream)
+        if before and before < m and length > 0 then
+          per_entry = (m - before) / length
+        end
+        break
+      end
+    end
+  end
+  per_entry = math.max(math.min(per_entry, count), 1)
+  return math.ceil(maxlen / per_entry)
 end
 
 -- Retention: by count (MAXLEN ~) and by age (MINID ~ now - retention). Approximate trimming only

@@ -95,15 +95,13 @@ def list_command(topic: str | None) -> int:
         for name, group_name in broker.list_groups(topic):
             d = broker.describe_group(name, group_name)
             lag = d.total_lag
-            # A batch topic's lag counts stream entries (producer batches), not messages.
-            batch = broker.topic_config(name).entry_format == "batch"
             rows.append(
                 (
                     name,
                     group_name,
                     d.mode,
                     len(d.members),
-                    "?" if lag is None else f"{lag} entries" if batch else lag,
+                    "?" if lag is None else lag,
                     d.total_pending,
                     d.dead_letter_messages,
                 )
@@ -122,9 +120,8 @@ def describe(topic: str, group_name: str) -> int:
     letters, parked keys, held messages, malformed entries and a blocked (poison) message."""
     with connect() as broker:
         d = broker.describe_group(topic, group_name)
-        batch = broker.topic_config(topic).entry_format == "batch"
-    # A batch topic's lag counts stream entries (producer batches), not messages (DESIGN §14.6).
-    total_lag = "?" if d.total_lag is None else f"{d.total_lag}{' entries' if batch else ''}"
+    # Lags are messages, on a batch topic too (from its counters, DESIGN §14.6).
+    total_lag = "?" if d.total_lag is None else f"{d.total_lag}"
     say(
         f"group {d.group} on {d.topic}: mode={d.mode}, start={d.start}, policy={d.policy}, "
         f"{plural(len(d.members), 'member')}, lag {total_lag}, "
@@ -163,7 +160,7 @@ def describe(topic: str, group_name: str) -> int:
             "owner",
             "token",
             "lease age",
-            "lag (entries)" if batch else "lag",
+            "lag",
             "pending",
             "position",
             "dead-lettered",

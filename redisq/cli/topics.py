@@ -132,17 +132,20 @@ def _differences(
 def describe(name: str) -> int:
     """Partitions of topic NAME: lengths, first and last offsets, delayed messages scheduled
     and when the next is due (and nodes of a cluster). A length is the stream's entries (XLEN):
-    on a batch topic an entry holds a producer batch, so it counts entries, not messages."""
+    on a batch topic an entry holds a producer batch, so the messages are shown beside it (as
+    its counters tell; "?" where they cannot, DESIGN §14.6)."""
     with connect() as broker:
         description = broker.describe_topic(name)
         cluster = broker.is_cluster
     c = description.config
     batch = c.entry_format == "batch"
-    total = (
-        plural(description.total_messages, "entry", "entries")
-        if batch
-        else (f"{description.total_messages:,} messages")
-    )
+    total = f"{description.total_messages:,} messages"
+    if batch:
+        unknown = any(p.messages is None for p in description.partitions)
+        total = (
+            f"{'at least ' if unknown else ''}{total} in "
+            f"{plural(description.total_entries, 'entry', 'entries')}"
+        )
     say(
         f"topic {c.name} (id {c.topic_id}): {plural(c.partitions, 'partition')}, "
         f"entry_format={c.entry_format}, "
@@ -152,12 +155,14 @@ def describe(name: str) -> int:
         f"{description.total_scheduled:,} scheduled"
     )
     rows = [
-        (p.partition, p.length, p.first_offset, p.last_offset, p.scheduled, _utc(p.next_due_ms))
+        (p.partition, p.length)
+        + (("?" if p.messages is None else p.messages,) if batch else ())
+        + (p.first_offset, p.last_offset, p.scheduled, _utc(p.next_due_ms))
         + ((p.node,) if cluster else ())
         for p in description.partitions
     ]
-    length = "length (entries)" if batch else "length"
-    headers = ["partition", length, "first offset", "last offset", "scheduled", "next due"]
+    headers = ["partition", "length (entries)", "messages"] if batch else ["partition", "length"]
+    headers += ["first offset", "last offset", "scheduled", "next due"]
     headers += ["node"] if cluster else []
     print_table(rows, headers)
     return OK

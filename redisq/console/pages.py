@@ -271,11 +271,11 @@ def group_page(console: Console, request: Request) -> Response:
     pending = _pending_entries(
         console, topic, group, [p.partition for p in snapshot.partitions if p.pending]
     )
-    # A batch topic's lengths and lags are the server's, in stream entries (producer batches),
-    # not messages (DESIGN §14.6): the page says so.
+    # A batch topic's lengths are the server's, in stream entries (producer batches): the page
+    # says so. Lags are messages on every topic (a batch topic's from its counters, §14.6).
     batch = console.broker.topic_config(topic).entry_format == "batch"
     unit = "entries" if batch else "messages"
-    chart = line_chart(console.history.lag(topic, group), title="Lag", unit=unit)
+    chart = line_chart(console.history.lag(topic, group), title="Lag", unit="messages")
     return console.render(
         request,
         "group.html",

@@ -89,7 +89,7 @@ class AsyncPartitionIO:
         # poll() in concurrent mode: messages of entries read beyond max_messages (a batch
         # entry holds many), given by the next poll() (still pending until acked)
         self._leftover: dict[TopicPartition, list[Message]] = {}
-        self._sizes = EntrySizes()  # poll(): entries to read for about max_messages messages
+        self.sizes = EntrySizes()  # entries to read for about poll()'s or run()'s messages
         self.malformed_log = MalformedLog(member)
 
     # -- a pooled connection on the partition's node ---------------------------------------------
@@ -472,9 +472,9 @@ class AsyncPartitionIO:
         """poll(): the next messages of a partition (orderly: held keys' messages held back;
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
-            entries = await self.read_range(reader, self._sizes.entries_for(tp, count))
+            entries = await self.read_range(reader, self.sizes.entries_for(tp, count))
             messages = decode_entries(*tp, entries)
-            self._sizes.note(tp, entries, messages)
+            self.sizes.note(tp, entries, messages)
             # count entries may hold more messages (batch entries): poll() gives count at most,
             # and the next read resumes inside the entry it stopped in.
             cut = len(messages) > count
@@ -487,9 +487,9 @@ class AsyncPartitionIO:
         if not messages:
             messages = await self.claim_idle(tp, count)
         if not messages:
-            entries = await self.read_group(tp, self._sizes.entries_for(tp, count), [], None)
+            entries = await self.read_group(tp, self.sizes.entries_for(tp, count), [], None)
             messages = list(self.group_messages(tp, entries))
-            self._sizes.note(tp, entries, messages)
+            self.sizes.note(tp, entries, messages)
         if len(messages) > count:
             with self._guard:
                 self._leftover[tp] = messages[count:]

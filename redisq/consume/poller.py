@@ -108,7 +108,7 @@ class Poller(Coordinator):
         longer held is skipped: its next owner hands those messages again)."""
         if not self.settings.enable_auto_commit or not self._handed:
             return
-        for batch in self._take_handed():
+        for batch in self._take_handed(held_only=True):
             try:
                 self.ack(batch)
             except LeaseLost:
@@ -120,9 +120,11 @@ class Poller(Coordinator):
         for batch in self._take_handed():
             self.ack(batch)
 
-    def _take_handed(self) -> list[list[Message]]:
+    def _take_handed(self, held_only: bool = False) -> list[list[Message]]:
         """What was handed out and is not acknowledged yet (the caller may have acked some, or a
-        transaction), per partition; the list of handed messages starts again."""
+        transaction), per partition; the list of handed messages starts again. held_only: an
+        orderly partition no longer held is left out (close() may have handed it over already:
+        whether the caller acked its messages is no longer known, and an ack would be refused)."""
         handed, self._handed = self._handed, []
         by_tp = messages_by_partition(handed)
         with self._guard:
@@ -130,6 +132,8 @@ class Poller(Coordinator):
                 reader = self._readers.get(tp)
                 if reader is not None:  # orderly: the offsets it still waits for
                     batch[:] = [m for m in batch if m.offset in reader.unacked]
+                elif held_only and self.mode == "orderly":
+                    batch.clear()
         return [batch for batch in by_tp.values() if batch]
 
     def _give_back(self, messages: list[Message]) -> None:

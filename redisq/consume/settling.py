@@ -20,6 +20,7 @@ from typing import Any
 
 from redisq.model.batches import acked_bit as bit
 from redisq.model.batches import parse_offset
+from redisq.model.counting import batch_counts
 from redisq.protocol import text
 
 
@@ -30,21 +31,8 @@ def sorted_offsets(ms: int, first: int, n: int) -> list[str]:
 
 def _batch_count(flat: Any) -> int | None:
     """n of a batch entry's fields (first field b, no v), else None."""
-    if type(flat) is dict:
-        names = list(flat)
-        if not names or names[0] != b"b" or b"v" in flat:
-            return None
-        raw = flat.get(b"n")
-    elif isinstance(flat, list | tuple) and flat and flat[0] == b"b":
-        fields = dict(zip(flat[0::2], flat[1::2], strict=False))
-        if b"v" in fields:
-            return None
-        raw = fields.get(b"n")
-    else:
-        return None
-    if not isinstance(raw, bytes) or not raw.isdigit() or len(raw) > 10:
-        return None
-    return int(raw)
+    counts = batch_counts(flat)
+    return None if counts is None else counts[0]
 
 
 def batch_entry_ids(entries: Sequence[Any]) -> list[str]:
@@ -169,16 +157,47 @@ class EntrySettling:
             return len(self._unsettled)
 
 
+# A partition read for the first time by run(), the messages per entry unknown: this many entries
+# at most, so that a first read of batch entries does not bring batch_size whole batches.
+FIRST_READ_ENTRIES = 16
+# run() reads batch_size entries at most and about this many times batch_size messages: on batch
+# entries, reads of batch_size messages cut run()'s rate by a quarter (Redis 7.0, 100,000
+# messages: orderly 239k msg/s against 315k for whole reads, concurrent 269k against 362k);
+# four times as many gave 317k and 354k.
+RUN_READ_FACTOR = 4
+
+
 class EntrySizes:
-    """poll(): the messages per entry of each partition's last read (a batch entry holds many),
-    so that a read of about `count` messages asks for that many messages' worth of entries."""
+    """The messages per entry of each partition's last read (a batch entry holds many), so that
+    a read of about `count` messages asks for that many messages' worth of entries (poll()'s
+    max_messages, run()'s batch_size)."""
 
     def __init__(self) -> None:
         self._per_entry: dict[Any, float] = {}
 
+    def expect(self, tp: Any, entry_format: str) -> None:
+        """Before a partition's first read: a topic of message entries holds one message per
+        entry (its transactions and delayed messages too), so its first read is not cut to
+        FIRST_READ_ENTRIES."""
+        if entry_format == "message":
+            self._per_entry.setdefault(tp, 1.0)
+
     def entries_for(self, tp: Any, count: int) -> int:
         return max(1, math.ceil(count / self._per_entry.get(tp, 1.0)))
+
+    def entries_to_run(self, tp: Any, count: int) -> int:
+        """run(): count entries at most, about RUN_READ_FACTOR * count messages, and
+        FIRST_READ_ENTRIES at most while the partition's size is unknown."""
+        if tp not in self._per_entry:
+            return min(count, FIRST_READ_ENTRIES)
+        return min(count, self.entries_for(tp, RUN_READ_FACTOR * count))
 
     def note(self, tp: Any, entries: Sequence[Any], messages: Sequence[Any]) -> None:
         if entries and messages:
             self._per_entry[tp] = max(1.0, len(messages) / len(entries))
+
+    def note_entries(self, tp: Any, entries: Sequence[Any]) -> None:
+        """note() before decoding: the messages of the read's last entry stand for each."""
+        if entries:
+            counts = batch_counts(entries[-1][1])
+            self._per_entry[tp] = float(counts[0]) if counts is not None else 1.0

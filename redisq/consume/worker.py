@@ -90,6 +90,8 @@ class Worker:
         consumer = self.consumer
         mark_own(consumer)
         try:
+            config = consumer.broker.topic_config(self.tp[0])
+            self.io.sizes.expect(self.tp, config.entry_format)
             if self.reader is not None:
                 self._orderly(self.reader)
             else:
@@ -176,16 +178,19 @@ class Worker:
             # (Not inside an entry: a waiting read passes the rest of it over, DESIGN §14.7.)
             block_ms = self._block_ms(reader) if caught_up and reader.at_boundary else 0
             moves = reader.moves  # taken before the read starts: a seek after it drops the read
+            # about batch_size messages: fewer entries when they are batch entries
+            asked = self.io.sizes.entries_to_run(self.tp, batch)
             try:
                 if block_ms > 0:
-                    read = self._commit_and_wait(reader, batch, block_ms)
+                    read = self._commit_and_wait(reader, asked, block_ms)
                 else:
-                    read = self.io.read_range(reader, batch)
+                    read = self.io.read_range(reader, asked)
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; reading again", consumer.name, *self.tp, exc)
                 sleep(0.2)
                 continue
-            caught_up = len(read) < batch
+            self.io.sizes.note_entries(self.tp, read)
+            caught_up = len(read) < asked
             try:
                 chunks = admitted_chunks(reader, read, DECODE_CHUNK, guard, moves)
                 if lanes_of > 1:
@@ -193,6 +198,7 @@ class Worker:
                         if self._paused():  # lanes stop between chunks of DECODE_CHUNK
                             raise _Paused(messages[0].offset)
                         self._handle_batch(reader, messages)
+                        self._commit_if_due(reader, interval)
                 else:
                     self._handle_plain(reader, chain.from_iterable(chunks))
             except _Retry:
@@ -271,6 +277,8 @@ class Worker:
         owned = ownership.owned.get(tp)
         margin = ownership.margin_s
         limited = consumer._budget is not None  # run(max_messages=N): counted
+        interval = consumer._ack_interval_s
+        commit_at = monotonic() + interval  # orderly: a long read commits as it goes
         try:
             for message in messages:
                 if owned is not None and owned.paused:  # pause(): no further message starts
@@ -323,6 +331,11 @@ class Worker:
                 if reader is not None:
                     run_last = message.offset
                     run += 1
+                    if now >= commit_at:  # a read of many messages (a large batch entry)
+                        self._advance(reader, run_last, run)
+                        run = 0
+                        self._commit_if_due(reader, interval)
+                        commit_at = now + interval
                     continue
                 pending_acks.append(message.offset)  # concurrent: XACK with the next read
         finally:
@@ -532,7 +545,9 @@ class Worker:
                     self._handle_plain(None, claimed)
                     continue
                 ids = self._pending_acks[:1000]
-                entries = self.io.read_group(self.tp, batch, ids, self.settings.block_ms)
+                asked = self.io.sizes.entries_to_run(self.tp, batch)
+                entries = self.io.read_group(self.tp, asked, ids, self.settings.block_ms)
+                self.io.sizes.note_entries(self.tp, entries)
                 del self._pending_acks[: len(ids)]
                 self._handle_plain(None, self.io.group_messages(self.tp, entries, lazily=True))
             except _Paused:

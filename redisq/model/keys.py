@@ -173,6 +173,11 @@ class KeySpace:
         """HASH per (partition, PID): epoch, next sequence, window of recent batches."""
         return f"{self._partition(topic, partition)}:pid:{producer_id}"
 
+    def counts(self, topic: str, partition: int) -> str:
+        """HASH of a partition of batch entries (DESIGN §14.6): m, the messages, and e, the
+        entries redisq appended to it (each batch entry's c is m before it)."""
+        return f"{self._partition(topic, partition)}:count"
+
     def dedup_bucket(self, topic: str, partition: int, bucket: int) -> str:
         """HASH message id -> stream ID: bucket 0 or 1 of the ring of time slices of the dedup
         window (the slice number it holds is its field "")."""

@@ -40,6 +40,10 @@ class PartitionSnapshot:
     node: str | None = None
     scheduled: int = 0
     next_due_ms: int | None = None
+    # A topic of batch entries (DESIGN §14.6): the messages its counters say were appended
+    # (counted) and the messages it holds (messages; None where that cannot be told)
+    counted: int | None = None
+    messages: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,13 @@ class TopicSnapshot:
     @property
     def entries_added(self) -> int:
         return sum(p.entries_added for p in self.partitions)
+
+    @property
+    def messages(self) -> int | None:
+        """The messages the partitions hold (on a batch topic, from their counters: None when
+        one of them cannot tell)."""
+        held = [p.messages for p in self.partitions]
+        return None if None in held else sum(p or 0 for p in held)
 
     @property
     def scheduled(self) -> int:
@@ -84,7 +95,7 @@ class GroupPartition:
     length: int
     last_delivered: str | None
     entries_read: int | None
-    lag: int | None
+    lag: int | None  # messages (on a batch topic too: from its counters, DESIGN §14.6)
     lag_counted: bool  # True: counted by count_range (Redis could not tell it)
     pending: int
     consumers: int

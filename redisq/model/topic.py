@@ -72,6 +72,9 @@ class PartitionInfo:
     node: str | None = None
     scheduled: int = 0  # delayed messages waiting in the partition's schedule
     next_due_ms: int | None = None  # when the next of them is due (server clock, ms)
+    # The messages it holds: its length on a topic of message entries; on a topic of batch
+    # entries (length counts entries) what its counters tell (DESIGN §14.6), None if they cannot
+    messages: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,14 @@ class TopicDescription:
 
     @property
     def total_messages(self) -> int:
+        """The messages the partitions hold (on a batch topic, a partition whose count cannot
+        be told adds its entries: at least one message each)."""
+        return sum(p.length if p.messages is None else p.messages for p in self.partitions)
+
+    @property
+    def total_entries(self) -> int:
+        """The stream entries the partitions hold (XLEN): the messages on a topic of message
+        entries, the producer batches (and other entries) on a topic of batch entries."""
         return sum(p.length for p in self.partitions)
 
     @property

@@ -68,9 +68,15 @@ def _count_reply(reply: Any) -> tuple[int, str]:
 
 
 def count_range(
-    keys: KeySpace, topic: str, partition: int, start: str, end: str, limit: int
+    keys: KeySpace,
+    topic: str,
+    partition: int,
+    start: str,
+    end: str,
+    limit: int,
+    messages: bool = False,
 ) -> ScriptCall[tuple[int, str]]:
-    """count_range.lua: (entries in [start, end) up to limit, the ID of the last one counted)."""
-    return ScriptCall(
-        "count_range", (keys.log(topic, partition),), (start, end, limit), _count_reply, topic
-    )
+    """count_range.lua: (entries in [start, end) up to limit, the ID of the last one counted);
+    messages: a batch entry counts its messages (start inclusive, offsets inside entries)."""
+    args: tuple[Any, ...] = (start, end, limit, "messages") if messages else (start, end, limit)
+    return ScriptCall("count_range", (keys.log(topic, partition),), args, _count_reply, topic)

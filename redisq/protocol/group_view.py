@@ -16,16 +16,17 @@ take it from here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import ResponseError
 
 from redisq.errors import InvalidName, read_reply
+from redisq.model.counting import batch_counts, messages_through
 from redisq.model.keys import KeySpace, dead_letter_topic
 from redisq.model.offsets import offset_after, offset_parts
-from redisq.model.snapshots import GroupPartition, GroupSnapshot, TopicSnapshot
+from redisq.model.snapshots import GroupPartition, GroupSnapshot, PartitionSnapshot, TopicSnapshot
 from redisq.protocol import Command, Operation, Step, optional_text, text
 from redisq.protocol.admin import count_range
 from redisq.protocol.group import parse_lease
@@ -141,6 +142,7 @@ def group_from_replies(
         for name, score in scored(replies[1], f"{where} (members)")
     )
     partitions = []
+    batch = topic.config.entry_format == "batch"
     for p, stream in enumerate(topic.partitions):
         at = f"{where} partition {p}"
         lease_raw, ttl, fence, state_raw, parked, held = (
@@ -156,11 +158,15 @@ def group_from_replies(
             lag: int | None = unread_lag(
                 start_id, stream.length, stream.first_offset, stream.last_offset
             )
+            if batch and stream.length:
+                lag = None  # entries: the messages are counted below
             last_delivered = None
             entries_read = None
         else:
             raw_lag = entry.get("lag")
             lag = None if raw_lag is None else int(raw_lag)
+            if batch and stream.length:
+                lag = None  # XINFO's lag counts entries: the messages are counted below
             last_delivered = optional_text(entry.get("last-delivered-id"))
             read = entry.get("entries-read")
             entries_read = None if read is None else int(read)
@@ -211,9 +217,11 @@ def group_from_replies(
 
 
 def count_unknown_lags(
-    keys: KeySpace, groups: list[GroupSnapshot]
+    keys: KeySpace, groups: list[GroupSnapshot], topics: Mapping[str, TopicSnapshot] | None = None
 ) -> Operation[list[GroupSnapshot]]:
-    """Lags Redis could not tell, counted inside the server (one pipelined round trip)."""
+    """Lags Redis could not tell, counted inside the server (one pipelined round trip; on a
+    topic of batch entries, from its counters and the entry holding the position, DESIGN §14.6,
+    else counting its messages)."""
     unknown = [
         (i, gp) for i, g in enumerate(groups) for gp in g.partitions if gp.lag is None and gp.length
     ]
@@ -221,20 +229,94 @@ def count_unknown_lags(
         return groups
     steps: list[Step] = []
     for i, gp in unknown:  # counted after the position, or where an unread partition starts
-        start = gp.last_delivered or groups[i].start_id
+        group = groups[i]
+        stream = _batch_stream(topics, group.topic, gp.partition)
+        start = _position(group, gp, stream)
+        if stream is not None:  # the entry holding the position (none: before every entry)
+            key = keys.log(group.topic, gp.partition)
+            steps.append(Command(("XREVRANGE", key, start, "-", "COUNT", 1)))
+            continue
         begin = "-" if offset_parts(start) == (0, 0) else offset_after(start)
         if begin is None:  # the largest stream ID: nothing can follow it (count 0 below)
             steps.append(Command(("ECHO", "0"), lambda _: (0, "")))
             continue
-        steps.append(count_range(keys, groups[i].topic, gp.partition, begin, END, COUNT_CAP + 1))
+        steps.append(count_range(keys, group.topic, gp.partition, begin, END, COUNT_CAP + 1))
     counts = yield steps
     rebuilt = [list(g.partitions) for g in groups]
+    recount: list[tuple[int, GroupPartition, str]] = []
     for (i, gp), result in zip(unknown, counts, strict=True):
-        where = f"topic {groups[i].topic!r} partition {gp.partition}"
-        count = int(read_reply(result, f"{where}: group {groups[i].group!r}'s lag")[0])
-        lag = None if count > COUNT_CAP else count
-        rebuilt[i][gp.partition] = replace(gp, lag=lag, lag_counted=lag is not None)
+        group = groups[i]
+        where = f"topic {group.topic!r} partition {gp.partition}: group {group.group!r}'s lag"
+        stream = _batch_stream(topics, group.topic, gp.partition)
+        if stream is not None:
+            lag, begin = _batch_lag(group, gp, stream, read_reply(result, where))
+            if lag is None and begin is not None:
+                recount.append((i, gp, begin))
+            rebuilt[i][gp.partition] = replace(gp, lag=lag)
+            continue
+        rebuilt[i][gp.partition] = _counted(gp, result, where)
+    if recount:  # batch topics whose counters cannot tell: their messages counted instead
+        steps = [
+            count_range(keys, groups[i].topic, gp.partition, begin, END, COUNT_CAP + 1, True)
+            for i, gp, begin in recount
+        ]
+        counts = yield steps
+        for (i, gp, _), result in zip(recount, counts, strict=True):
+            where = f"topic {groups[i].topic!r} partition {gp.partition}"
+            rebuilt[i][gp.partition] = _counted(
+                gp, result, f"{where}: group {groups[i].group!r}'s lag"
+            )
     return [replace(g, partitions=parts) for g, parts in zip(groups, rebuilt, strict=True)]
+
+
+def _counted(gp: GroupPartition, result: Any, where: str) -> GroupPartition:
+    """gp with the lag count_range counted (None past COUNT_CAP)."""
+    count = int(read_reply(result, where)[0])
+    lag = None if count > COUNT_CAP else count
+    return replace(gp, lag=lag, lag_counted=lag is not None)
+
+
+def _batch_stream(
+    topics: Mapping[str, TopicSnapshot] | None, topic: str, partition: int
+) -> PartitionSnapshot | None:
+    """The partition of a topic of batch entries, as the snapshot read it (None otherwise)."""
+    snapshot = (topics or {}).get(topic)
+    if snapshot is None or snapshot.config.entry_format != "batch":
+        return None
+    return snapshot.partitions[partition]
+
+
+def _position(group: GroupSnapshot, gp: GroupPartition, stream: PartitionSnapshot | None) -> str:
+    """Where the group is on the partition: its Redis group's last-delivered-id, or where its
+    first reader will start (start_position)."""
+    if gp.last_delivered is not None:
+        return gp.last_delivered
+    if stream is None:
+        return group.start_id
+    return start_position(group.start_id, stream.last_offset)
+
+
+def _batch_lag(
+    group: GroupSnapshot, gp: GroupPartition, stream: PartitionSnapshot, reply: Any
+) -> tuple[int | None, str | None]:
+    """A batch topic's lag in messages: (its counters' m minus the messages up to the
+    position, None) or, where they cannot tell, (None, the offset to count messages from)."""
+    position = _position(group, gp, stream)
+    # A concurrent group's position, and an unread partition's start, is an entry read whole
+    whole = group.mode == "concurrent" or gp.last_delivered is None
+    through: int | None
+    if not reply:  # before every entry: everything the partition holds is ahead
+        through = None if stream.messages is None else (stream.counted or 0) - stream.messages
+        begin = "-"
+    else:
+        entry_id, flat = text(reply[0][0]), reply[0][1]
+        through = messages_through(entry_id, flat, position, whole)
+        counts = batch_counts(flat)
+        skip = counts[0] if whole and counts is not None else 0
+        begin = offset_after(position if not skip else entry_id, max(skip, 1)) or "-"
+    if through is None or stream.counted is None:
+        return None, begin
+    return max(0, stream.counted - through), None
 
 
 # -- the lag of a partition the group has not read -------------------------------------------------

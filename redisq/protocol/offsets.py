@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from redisq.errors import GroupInUse, InvalidConfig, PartitionOutOfRange, read_reply
+from redisq.model.counting import batch_counts
 from redisq.model.groups import OffsetReset
 from redisq.model.keys import KeySpace
 from redisq.model.offsets import (
@@ -39,7 +40,7 @@ from redisq.protocol.group_view import (
     unread_lag,
 )
 from redisq.protocol.groups import lease_holders, live_members, refuse_if_live, require_group
-from redisq.protocol.topics import fields
+from redisq.protocol.topics import fields, topic_config
 
 log = logging.getLogger("redisq.group")
 
@@ -141,6 +142,11 @@ def reset_offsets(
     to_offset     read from this stream ID on (the first entry at or after it)
     shift_by      move by N entries: +N skips N, -N reads the last N handled again
 
+    On a topic of batch entries (entry_format="batch") a position lands at the end of an
+    entry, so that a batch is read whole or not at all: to_offset and to_datetime start at
+    the batch that holds the offset, shift_by moves by whole batches, and the lags count
+    messages.
+
     Targets are clamped to the partition (before the first entry, after the last). The new
     position is the whole truth afterwards, as a Kafka offset is: a concurrent group's pending
     entries are dropped (those after the new position are delivered again, those before it
@@ -171,13 +177,14 @@ def reset_offsets(
         raise TypeError(f"shift_by must be an int, not {type(shift_by).__name__}")
     time_ms = _epoch_ms(to_datetime) if to_datetime is not None else None
     count = yield from require_group(keys, topic, group)
+    batch = (yield from topic_config(keys, topic)).entry_format == "batch"
     selected = sorted(set(partitions)) if partitions is not None else list(range(count))
     for p in selected:
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < count:
             raise PartitionOutOfRange(topic, p, count)
     if not dry_run:
         yield from refuse_if_live(keys, topic, group, count, "reset its offsets")
-    read = yield from _read_partitions(keys, topic, group, selected)
+    read = yield from _read_partitions(keys, topic, group, selected, batch)
 
     bound = f"{time_ms}-0" if time_ms is not None else to_offset
     finish: list[Callable[[Any], str]] = []
@@ -198,13 +205,19 @@ def reset_offsets(
     replies = iter((yield steps) if steps else [])
     for part, done in zip(read, finish, strict=True):
         part.after = done(replies)
-    yield from _count_lags(keys, topic, read)
+    yield from _count_lags(keys, topic, read, batch)
 
     if dry_run:
         return [_result(part) for part in read]
     writes = yield [
         reset_position(
-            keys, topic, part.partition, group, part.before, part.after, _entries_read(part)
+            keys,
+            topic,
+            part.partition,
+            group,
+            part.before,
+            part.after,
+            None if batch else _entries_read(part),  # a batch topic's lags count messages
         )
         for part in read
     ]
@@ -214,9 +227,10 @@ def reset_offsets(
 
 
 def _read_partitions(
-    keys: KeySpace, topic: str, group: str, selected: list[int]
+    keys: KeySpace, topic: str, group: str, selected: list[int], batch: bool
 ) -> Operation[list[_Partition]]:
-    """The group's start, and per partition XINFO STREAM and XINFO GROUPS (one round trip)."""
+    """The group's start, and per partition XINFO STREAM and XINFO GROUPS (one round trip).
+    batch: XINFO's lags count entries, so only an empty partition's is taken (0)."""
     steps: list[Step] = [Command(("HGET", keys.group_meta(topic, group), "start_id"))]
     for p in selected:
         steps += [
@@ -242,10 +256,13 @@ def _read_partitions(
             last=optional_text(info.get("last-generated-id")) or "0-0",
             pending=int(entry.get("pending") or 0) if entry else 0,
         )
-        if entry is not None and entry.get("lag") is not None:
+        length = int(info.get("length", 0))
+        if batch and length:  # counted in messages (_count_lags), unless at the end
+            part.lag_known = part.base == part.last
+            part.lag_before = 0 if part.lag_known else None
+        elif entry is not None and entry.get("lag") is not None:
             part.lag_before, part.lag_known = int(entry["lag"]), True
         elif entry is None:
-            length = int(info.get("length", 0))
             part.lag_before = unread_lag(start_id, length, first_offset, last_offset)
             part.lag_known = part.lag_before is not None
         read.append(part)
@@ -261,7 +278,12 @@ def _fixed(position: str) -> Callable[[Any], str]:
 
 
 def _entry_id(entry: Any) -> str:
-    return optional_text(entry[0]) or "0-0"
+    """A position at this entry: its ID, or a batch entry's last offset (read whole or not)."""
+    entry_id = optional_text(entry[0]) or "0-0"
+    counts = batch_counts(entry[1]) if len(entry) > 1 else None
+    if counts is None or counts[0] < 2:
+        return entry_id
+    return offset_after(entry_id, counts[0] - 1) or entry_id
 
 
 def _last_before(stream: str, offset: str) -> Target:
@@ -272,9 +294,11 @@ def _last_before(stream: str, offset: str) -> Target:
 
     def done(replies: Any) -> str:
         entries = read_reply(next(replies), f"{stream} (XREVRANGE)")
+        if entries and offset_parts(_entry_id(entries[0])) >= offset_parts(offset):
+            entries = entries[1:]  # a batch entry holding offset: it is read whole
         return _entry_id(entries[0]) if entries else "0-0"
 
-    return Command(("XREVRANGE", stream, before, "-", "COUNT", 1)), done
+    return Command(("XREVRANGE", stream, before, "-", "COUNT", 2)), done
 
 
 def _shift(stream: str, base: str, by: int, length: int) -> Target:
@@ -301,11 +325,11 @@ def _shift(stream: str, base: str, by: int, length: int) -> Target:
 
 
 # -- lags ----------------------------------------------------------------------------------------
-def _count_lags(keys: KeySpace, topic: str, read: list[_Partition]) -> Operation[None]:
+def _count_lags(keys: KeySpace, topic: str, read: list[_Partition], batch: bool) -> Operation[None]:
     """lag_before where Redis could not tell it, and lag_after, counted inside the server up to
     the stream's last ID as read (count_range takes an exclusive end: the ID after the last),
     one round trip; None past COUNT_CAP. No ID comes after the largest: an entry at it is
-    looked up apart."""
+    looked up apart. batch: messages are counted, not entries."""
     steps: list[Step] = []
     wanted: list[tuple[_Partition, str, int]] = []  # (partition, "before"/"after", its steps)
     for part in read:
@@ -318,7 +342,7 @@ def _count_lags(keys: KeySpace, topic: str, read: list[_Partition]) -> Operation
                 continue
             end = offset_after(part.last)
             call = count_range(
-                keys, topic, part.partition, first, end or MAX_STREAM_ID, COUNT_CAP + 1
+                keys, topic, part.partition, first, end or MAX_STREAM_ID, COUNT_CAP + 1, batch
             )
             steps.append(ScriptCall(call.script, call.keys, call.args, _counted, topic))
             if end is None:

@@ -18,6 +18,8 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from redisq.errors import GroupNotFound, TopicNotFound, read_reply
+from redisq.model.counting import retained_messages
+from redisq.model.fields import parse_id_field
 from redisq.model.keys import KeySpace, validate_name, validate_topic
 from redisq.model.snapshots import (
     GroupPartition,
@@ -55,16 +57,26 @@ __all__ = [
 ]
 
 
-def _stream(topic: str, p: int, replies: Sequence[Any], node: str | None) -> PartitionSnapshot:
-    """XINFO STREAM, then ZCARD and the first of the schedule when read (_stream_steps)."""
+def _stream(
+    topic: str, p: int, replies: Sequence[Any], node: str | None, batch: bool
+) -> PartitionSnapshot:
+    """XINFO STREAM, then ZCARD and the first of the schedule when read, then the messages
+    counted on a batch topic (_stream_steps)."""
+    counted = (
+        parse_id_field(read_reply(replies[-1], f"topic {topic!r}'s counters")) if batch else None
+    )
+    replies = replies[:-1] if batch else replies
     info, scheduled, first_due = (*replies, 0, None) if len(replies) == 1 else replies
     where = f"topic {topic!r} partition {p}"
     info = as_dict(stream_reply(info, f"{where} (XINFO STREAM)"))
     first, last = info.get("first-entry"), info.get("last-entry")
     due = scored(first_due, f"{where}'s schedule")
+    length = as_int(info.get("length"))
     return PartitionSnapshot(
         partition=p,
-        length=as_int(info.get("length")),
+        counted=counted,
+        messages=retained_messages(counted, length, first) if batch else length,
+        length=length,
         first_offset=optional_text(first[0]) if first else None,
         last_offset=optional_text(last[0]) if last else None,
         entries_added=as_int(info.get("entries-added"), as_int(info.get("length"))),
@@ -105,6 +117,8 @@ def _stream_steps(
                     Command(("ZCARD", keys.scheduled(t.name, p))),
                     Command(("ZRANGE", keys.scheduled(t.name, p), 0, 0, "WITHSCORES")),
                 ]
+            if t.config.entry_format == "batch":
+                steps.append(Command(("HGET", keys.counts(t.name, p), "m")))
     return steps
 
 
@@ -131,7 +145,6 @@ def namespace_snapshot(
     now_ms = server_ms(read_reply(now, "the server's time"))
     snapshots = yield from _topic_configs(keys, names)
     steps = _stream_steps(keys, snapshots, with_schedules)
-    per_stream = 3 if with_schedules else 1
     group_refs = (
         [(t, g) for t in snapshots for g in t.groups if groups is None or (t.name, g) in groups]
         if with_groups
@@ -156,10 +169,12 @@ def namespace_snapshot(
     at = 0
     for t in snapshots:
         parts = []
+        batch = t.config.entry_format == "batch"
+        per_stream = (3 if with_schedules else 1) + batch
         for p in range(t.config.partitions):
             key = keys.log(t.name, p)
             stream = replies[at : at + per_stream]
-            parts.append(_stream(t.name, p, stream, nodes(key) if nodes else None))
+            parts.append(_stream(t.name, p, stream, nodes(key) if nodes else None, batch))
             at += per_stream
         result.topics[t.name] = TopicSnapshot(t.config, parts, t.groups)
     by_stream: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -176,7 +191,7 @@ def namespace_snapshot(
             group_from_replies(topic, g, replies[at : at + size], by_stream, result.topics, now_ms)
         )
         at += size
-    read = yield from count_unknown_lags(keys, read)
+    read = yield from count_unknown_lags(keys, read, result.topics)
     for snapshot in read:
         result.groups[(snapshot.topic, snapshot.group)] = snapshot
     return result

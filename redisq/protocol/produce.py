@@ -200,11 +200,12 @@ def produce(
     log_key = keys.log(topic, p)
     named = "1" if identity.named else "0"
     packed = config.entry_format == "batch"
+    counts = (keys.counts(topic, p),) if packed else ()  # the scripts count batch entries
     if mode == "sequence":
         body, count = _body(batch, sequences=not packed, packed=packed)
         return ScriptCall(
             "produce_sequence",
-            (log_key, keys.producer_state(topic, p, identity.producer_id)),
+            (log_key, keys.producer_state(topic, p, identity.producer_id), *counts),
             (
                 identity.producer_id,
                 identity.epoch,
@@ -232,6 +233,7 @@ def produce(
                 keys.dedup_bucket(topic, p, 0),
                 keys.dedup_bucket(topic, p, 1),
                 keys.producer_state(topic, p, identity.producer_id),
+                *counts,
             ),
             (
                 identity.producer_id,
@@ -255,7 +257,7 @@ def produce(
     body, count = _body(batch, sequences=False, packed=packed)
     return ScriptCall(
         "produce",
-        (log_key,),
+        (log_key, *counts),
         (
             identity.producer_id,
             config.retention_messages,

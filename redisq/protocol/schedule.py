@@ -112,10 +112,12 @@ def deliver_due(
     retention_messages: int,
     retention_ms: int,
     lease_ttl_ms: int,
+    counted: bool = False,
 ) -> ScriptCall[Delivered]:
     """deliver_due.lua: take or renew the partition's scheduler lease for lease_ttl_ms and
     append what is due, exactly once (LeaseLost: another scheduler holds it). lease_ttl_ms=0
-    hands the lease back and delivers nothing."""
+    hands the lease back and delivers nothing. counted: a topic of batch entries, whose
+    partition counters (DESIGN §14.6) count the delivered messages."""
     return ScriptCall(
         "deliver_due",
         (
@@ -124,6 +126,7 @@ def deliver_due(
             keys.scheduled_messages(topic, partition),
             keys.scheduled_delivered(topic, partition),
             keys.scheduler_lease(topic, partition),
+            *((keys.counts(topic, partition),) if counted else ()),
         ),
         (lease_token, limit, retention_messages, retention_ms, lease_ttl_ms),
         _delivered,

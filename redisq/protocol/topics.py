@@ -11,6 +11,8 @@ import secrets
 from typing import Any
 
 from redisq.errors import InvalidConfig, TopicExists, TopicInUse, TopicNotFound, check_int
+from redisq.model.counting import entries_to_keep, retained_messages
+from redisq.model.fields import parse_id_field
 from redisq.model.keys import KeySpace, validate_topic
 from redisq.model.offsets import MAX_STREAM_ID_PART, offset_after, offset_parts
 from redisq.model.topic import (
@@ -147,21 +149,27 @@ def describe_topic(
     steps: list[Step] = [Command(("XINFO", "STREAM", keys.log(topic, p)), fields) for p in range(n)]
     steps += [Command(("ZCARD", keys.scheduled(topic, p)), int) for p in range(n)]
     steps += [Command(("ZRANGE", keys.scheduled(topic, p), 0, 0, "WITHSCORES")) for p in range(n)]
+    batch = config.entry_format == "batch"
+    if batch:  # the messages appended, as the produce scripts count them (DESIGN §14.6)
+        steps += [Command(("HGET", keys.counts(topic, p), "m"), parse_id_field) for p in range(n)]
     replies = yield steps
     _raise_first(replies)
-    infos, scheduled, firsts = replies[:n], replies[n : 2 * n], replies[2 * n :]
+    infos, scheduled, firsts = replies[:n], replies[n : 2 * n], replies[2 * n : 3 * n]
     partitions = []
     for p, info in enumerate(infos):
         first, last = info.get("first-entry"), info.get("last-entry")
+        length = int(info.get("length", 0))
+        held = retained_messages(replies[3 * n + p], length, first) if batch else length
         partitions.append(
             PartitionInfo(
                 partition=p,
-                length=int(info.get("length", 0)),
+                length=length,
                 first_offset=optional_text(first[0]) if first else None,
                 last_offset=optional_text(last[0]) if last else None,
                 node=(nodes or {}).get(p),
                 scheduled=scheduled[p],
                 next_due_ms=_first_score(firsts[p]),
+                messages=held,
             )
         )
     return TopicDescription(config=config, partitions=partitions)
@@ -294,16 +302,48 @@ def trim(keys: KeySpace, topic: str) -> Operation[int]:
                 f"topic {topic!r}: {name}={value} is out of range: 0..{MAX_TOPIC_SETTING}"
             )
     now = yield Command(("TIME",), server_ms)
+    keep = [config.retention_messages] * config.partitions
+    if config.retention_messages and config.entry_format == "batch":
+        keep = yield from _batch_entries_to_keep(keys, config)
     steps: list[Step] = []
     for p in range(config.partitions):
         key = keys.log(topic, p)
         if config.retention_messages:
-            steps.append(Command(("XTRIM", key, "MAXLEN", config.retention_messages), int))
+            steps.append(Command(("XTRIM", key, "MAXLEN", keep[p]), int))
         if config.retention_ms and now > config.retention_ms:
             steps.append(Command(("XTRIM", key, "MINID", now - config.retention_ms), int))
     removed = yield steps
     _raise_first(removed)
     return sum(removed)
+
+
+def _batch_entries_to_keep(keys: KeySpace, config: TopicConfig) -> Operation[list[int]]:
+    """A batch topic's entries to keep per partition for about retention_messages messages
+    (model.counting.entries_to_keep, as the produce scripts trim): one round trip."""
+    steps: list[Step] = []
+    for p in range(config.partitions):
+        steps += [
+            Command(("HGET", keys.counts(config.name, p), "m"), parse_id_field),
+            Command(("XINFO", "STREAM", keys.log(config.name, p)), fields),
+        ]
+    replies = yield steps
+    _raise_first(replies[0::2])
+    keep = []
+    for p in range(config.partitions):
+        counted, info = replies[2 * p], replies[2 * p + 1]
+        if isinstance(info, Exception):  # no stream (deleted meanwhile): XTRIM removes nothing
+            keep.append(config.retention_messages)
+            continue
+        keep.append(
+            entries_to_keep(
+                config.retention_messages,
+                counted,
+                int(info.get("length", 0)),
+                info.get("first-entry"),
+                info.get("last-entry"),
+            )
+        )
+    return keep
 
 
 def _raise_first(results: list[Any]) -> None:

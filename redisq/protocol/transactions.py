@@ -309,7 +309,9 @@ def apply_batch(
     topic, p = batch.topic, batch.partition
     mark = f"{tx_id}:{index}"
     layout, body, arguments = batch.layout, batch.body, batch.count * len(batch.layout)
+    counts: tuple[str, ...] = ()
     if config.entry_format == "batch":
+        counts = (keys.counts(topic, p),)
         blob = blob_from_items(batch.layout, batch.count, resp_items(batch.body))
         layout, body, arguments = "b", bulk(blob), 1
     return ScriptCall(
@@ -319,6 +321,7 @@ def apply_batch(
             keys.dedup_bucket(topic, p, 0),
             keys.dedup_bucket(topic, p, 1),
             keys.tx_mark(topic, p, mark),
+            *counts,
         ),
         (
             mark,

@@ -176,6 +176,7 @@ class SchedulerCore:
             retention_messages=config.retention_messages,
             retention_ms=config.retention_ms,
             lease_ttl_ms=ttl_ms,
+            counted=config.entry_format == "batch",
         )
 
     def settle(

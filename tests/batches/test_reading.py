@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -172,3 +173,51 @@ def test_run_reads_many_small_entries_in_one_read_without_a_failure(
         assert consumer.run(handled.append, max_messages=total) == total
     assert numbers(handled) == list(range(total))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_run_commits_as_it_goes_through_one_large_entry(
+    api: Any, broker: redisq.Broker, entry_format: str
+) -> None:
+    """run() commits every ack_interval_ms while it works through a read, also when the read is
+    one or two batch entries of 2,000 messages: a crash in the middle would redeliver what was
+    handled since the last commit, not the whole entry (it used to commit only after it)."""
+    broker.create_topic("t", 1, entry_format=entry_format)
+    with broker.producer(linger_ms=30_000, max_batch_messages=2_000) as producer:
+        for n in range(2_000):
+            producer.send_async("t", b"%d" % n, partition=0)
+    if entry_format == "batch":  # one or two entries (the producer's argument limit)
+        assert broker.client.xlen(broker.keys.log("t", 0)) <= 2
+    lags: list[int | None] = []
+
+    def handle(message: redisq.Message) -> None:
+        time.sleep(0.001)  # 1,500 messages take 1.5 s at least: 30 commit intervals
+        if message.value == b"1500":
+            lags.append(broker.describe_group("t", "g").total_lag)
+
+    options = {**FAST, "ack_interval_ms": 50}
+    with api.broker.consumer("t", "g", start="earliest", **options) as consumer:
+        assert consumer.run(handle, max_messages=2_000) == 2_000
+    assert lags and lags[0] is not None and lags[0] <= 1_000, lags
+
+
+def test_reset_offsets_counts_messages_and_reads_a_batch_whole(
+    api: Any, broker: redisq.Broker, entry_format: str
+) -> None:
+    """reset_offsets on either format: the lags it reports count messages, and a reset to an
+    offset inside a batch entry reads that batch whole, from its first message (nothing of the
+    batch lost, nothing before it read again); on message entries, from the offset itself."""
+    written = filled(broker, entry_format)
+    with api.broker.consumer("t", "g", **FAST) as consumer:
+        assert len(poll_and_ack(consumer, TOTAL)) == TOTAL
+        consumer.commit()
+    dry = broker.reset_offsets("t", "g", to_earliest=True, dry_run=True)
+    assert [(r.after, r.lag_before, r.lag_after) for r in dry] == [("0-0", 0, TOTAL)]
+    target = written[PER_BATCH + 3]  # inside the second batch
+    (moved,) = broker.reset_offsets("t", "g", to_offset=target.offset)
+    first = PER_BATCH if entry_format == "batch" else PER_BATCH + 3
+    assert moved.lag_after == TOTAL - first
+    assert broker.describe_group("t", "g").total_lag == TOTAL - first
+    with api.broker.consumer("t", "g", mode="orderly", **FAST) as consumer:
+        again = poll_and_ack(consumer, TOTAL - first)
+        assert numbers(again) == list(range(first, TOTAL))
+        assert consumer.poll(timeout=0.5) == []

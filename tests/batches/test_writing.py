@@ -476,7 +476,10 @@ def test_the_largest_batches_are_calls_under_the_limit_with_every_key_declared(
     keys = broker.keys
     pid = producer.producer_id
     expected_keys = {
-        "sequence": ("produce_sequence", (keys.log("t", 0), keys.producer_state("t", 0, pid))),
+        "sequence": (
+            "produce_sequence",
+            (keys.log("t", 0), keys.producer_state("t", 0, pid), keys.counts("t", 0)),
+        ),
         "message_id": (
             "produce_message_id",
             (
@@ -484,9 +487,10 @@ def test_the_largest_batches_are_calls_under_the_limit_with_every_key_declared(
                 keys.dedup_bucket("t", 0, 0),
                 keys.dedup_bucket("t", 0, 1),
                 keys.producer_state("t", 0, pid),
+                keys.counts("t", 0),
             ),
         ),
-        None: ("produce", (keys.log("t", 0),)),
+        None: ("produce", (keys.log("t", 0), keys.counts("t", 0))),
     }[mode]
     for built in built_calls:
         call = built.call
@@ -531,25 +535,37 @@ def test_retention_by_count_keeps_about_retention_messages_in_whole_batches(
     assert kept == [b"v%d" % i for i in range(count - len(kept), count)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="retention by count divides retention_messages by the size of the batch being "
-    "written (batch_maxlen), not by the partition's messages per entry: a batch of 20 after "
-    "400 one-message batches trims to ~10 entries (about 50 messages kept of 200)",
-)
-def test_retention_by_count_after_smaller_batches_keeps_retention_messages(
-    api: Any, broker: redisq.Broker
+# (batch size, messages) of the two phases: one 20-message batch after 400 single ones; 200
+# single ones after eight 50-message batches (the moment the first stream node can go).
+PHASES = {"smaller-first": ((1, 400), (20, 20)), "larger-first": ((50, 400), (1, 200))}
+
+
+@pytest.mark.parametrize("phases", PHASES.values(), ids=PHASES.keys())
+def test_retention_by_count_keeps_retention_messages_when_batch_sizes_change(
+    api: Any, broker: redisq.Broker, phases: tuple[tuple[int, int], ...]
 ) -> None:
+    """Retention by count trims whole entries by the partition's messages per entry (the
+    counters of DESIGN §14.6, or the newest batch's size when smaller): batches of one size,
+    then of another, still leave about retention_messages. Mutants: batch_maxlen dividing by the
+    batch being written keeps 120 messages of 200 after the 20-message batch; dividing by the
+    partition's average alone keeps 163 single messages after the large batches."""
     retention = 200
     broker.create_topic("t", 1, entry_format="batch", retention_messages=retention)
-    with api.broker.producer(linger_ms=LONG_LINGER, max_batch_messages=1) as producer:
-        for i in range(2 * retention):
-            producer.send_async("t", b"s%d" % i, key=b"k")
-        producer.flush()
-    assert len(entries(broker, "t", 0)) >= retention
-    with api.broker.producer(linger_ms=LONG_LINGER, max_batch_messages=20) as producer:
-        for i in range(20):
-            producer.send_async("t", b"b%d" % i, key=b"k")
-        producer.flush()
-    kept = list(api.broker.read("t", 0))
-    assert len(kept) >= retention - 20, f"{len(kept)} messages kept of {retention}"
+    sent = []
+    for size, count in phases:
+        with api.broker.producer(linger_ms=LONG_LINGER, max_batch_messages=size) as producer:
+            for i in range(count):
+                sent.append(b"%d-%d" % (size, i))
+                producer.send_async("t", sent[-1], key=b"k")
+            producer.flush()
+    largest = max(size for size, _ in phases)
+    kept = [m.value for m in api.broker.read("t", 0)]
+    newest = phases[-1][0]  # whole entries: at most one of them short of retention
+    assert len(kept) >= retention - newest, f"{len(kept)} messages kept of {retention}"
+    # MAXLEN ~ trims whole stream nodes (up to 100 entries): about retention, not everything
+    assert len(kept) <= retention + 100 * largest, f"{len(kept)} kept: not trimmed"
+    assert kept == sent[len(sent) - len(kept) :]  # the newest, in order
+    counts = broker.client.hgetall(broker.keys.counts("t", 0))
+    assert int(counts[b"m"]) == len(sent)  # every message counted, trimmed or not
+    assert api.broker.describe_topic("t").total_messages == len(kept)  # m - c(first entry)
+    assert int(counts[b"e"]) == sum(count // size for size, count in phases)

@@ -1,5 +1,5 @@
 """The command line on a batch topic (DESIGN §14): `topic create --entry-format`, what `topic
-describe`, `lag` and `group` say (lengths and lags count entries there), and `consume` printing
+describe`, `lag` and `group` say (the messages counted, beside the entries), and `consume` printing
 every message of each batch at its own offset, browsing and as a group member.
 
 In-process (cli.main) against the session's real server, as tests/cli/test_cli.py does."""
@@ -82,17 +82,18 @@ def test_describe_names_the_format_and_counts_entries(
     assert cli.main(["topic", "describe", "bt", *base]) == 0
     out = capsys.readouterr().out
     head, table = out.splitlines()[0], out.splitlines()[1:]
-    assert "entry_format=batch" in head and f"{BATCHES} entries" in head
-    assert " messages," not in head
-    assert table[0].split()[:3] == ["partition", "length", "(entries)"]
-    assert table[2].split()[:2] == ["0", str(BATCHES)]
+    # the messages, as the partitions' counters tell (DESIGN §14.6), and the entries
+    assert f"{BATCHES * SIZE} messages in {BATCHES} entries" in head, head
+    assert table[0].split()[:4] == ["partition", "length", "(entries)", "messages"]
+    assert table[2].split()[:3] == ["0", str(BATCHES), str(BATCHES * SIZE)]
+    assert table[3].split()[:3] == ["1", "0", "0"]
     assert cli.main(["topic", "describe", "plain", *base]) == 0
     out = capsys.readouterr().out
     assert "entry_format=message" in out and "0 messages" in out
     assert "(entries)" not in out
 
 
-def test_lag_and_groups_say_entries_on_a_batch_topic(
+def test_lag_and_groups_count_messages_on_a_batch_topic(
     base: list[str], broker: redisq.Broker, capsys: Any
 ) -> None:
     broker.create_topic("bt", partitions=1, entry_format="batch")
@@ -101,12 +102,15 @@ def test_lag_and_groups_say_entries_on_a_batch_topic(
     produce_batches(broker, "bt")
     assert cli.main(["lag", "bt", *base]) == 0
     out = capsys.readouterr().out
-    assert "lag (entries)" in out.splitlines()[0]
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["group", "partition", "lag"]
+    assert lines[2].split()[:3] == ["billing", "0", str(BATCHES * SIZE)]  # messages, not entries
     assert cli.main(["group", "describe", "bt", "billing", *base]) == 0
     out = capsys.readouterr().out
-    assert f"lag {BATCHES} entries" in out and "lag (entries)" in out
+    assert f"lag {BATCHES * SIZE}," in out and "(entries)" not in out
     assert cli.main(["group", "list", "bt", *base]) == 0
-    assert f"{BATCHES} entries" in capsys.readouterr().out
+    row = capsys.readouterr().out.splitlines()[2].split()
+    assert row[:2] == ["bt", "billing"] and row[4] == str(BATCHES * SIZE)
 
 
 def test_consume_prints_every_message_of_each_batch(

@@ -1,7 +1,7 @@
 """The console on a batch topic (DESIGN §14): one stream entry per producer batch, message i of an
 entry at offset ms-(s+i). What a user sees: every message of every batch as its own row at its
 own offset, pages that count messages (not entries), an offset inside an entry found, searches
-and the live tail giving every message, and lengths labelled as entries, not messages.
+and the live tail giving every message, lengths labelled as entries, lags in messages.
 
 Over HTTP against the session's real server, as tests/console/test_http.py does."""
 
@@ -196,10 +196,13 @@ def test_topic_pages_name_the_format_and_count_entries(
     with running_console(local_broker) as base:
         client = Client(base)
         _, _, page = client.get("/topics/bt")
-        assert cells(page, "topic-groups")[0][3] == f"{BATCHES} entries"  # the lag
+        # lags count messages, from the partitions' counters (DESIGN §14.6); lengths, entries
+        assert cells(page, "topic-groups")[0][3] == str(BATCHES * SIZE)  # the lag
         assert re.search(r'<dd id="entry-format">batch\b', page)
         assert '<th class="n">Entries</th>' in page
-        assert [r[1] for r in cells(page, "partitions-table")] == [str(BATCHES)]
+        # entries, then the messages they hold (the partition's counters, DESIGN §14.6)
+        assert [r[1:3] for r in cells(page, "partitions-table")] == [[str(BATCHES), "15"]]
+        assert re.search(rf'id="topic-messages">{BATCHES * SIZE}</td>', page)
         _, _, page = client.get("/topics/plain")
         assert re.search(r'<dd id="entry-format">message</dd>', page)
         assert '<th class="n">Messages</th>' in page
@@ -208,10 +211,10 @@ def test_topic_pages_name_the_format_and_count_entries(
         assert rows["bt"][2] == f"{BATCHES} entries"
         assert rows["plain"][2] == "0"
         lags = {r[0]: r[5] for r in cells(page, "groups-table")}
-        assert lags == {"bt": f"{BATCHES} entries", "plain": "0"}
+        assert lags == {"bt": str(BATCHES * SIZE), "plain": "0"}
         _, _, page = client.get("/topics/bt/groups/billing")
-        assert re.search(r'id="total-lag">3</b> <span[^>]*>entries</span>', page)
-        assert "Lag (entries)" in page
+        assert re.search(rf'id="total-lag">{BATCHES * SIZE}</b> messages', page)
+        assert '<th class="n">Entries</th>' in page and '<th class="n">Lag</th>' in page
 
 
 def test_create_form_chooses_the_entry_format(local_broker: redisq.Broker) -> None:

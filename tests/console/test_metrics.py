@@ -99,6 +99,27 @@ def test_collect_reports_what_redis_counts(broker: redisq.Broker) -> None:
     assert not [k for k in samples if k[0] == "redisq_lease_held"]  # released on close
 
 
+def test_a_batch_topic_reports_messages_not_entries(broker: redisq.Broker) -> None:
+    """On a batch topic (one entry per producer batch) the messages held and produced and the
+    lag are messages, from the partition's counters (DESIGN §14.6); a partition whose counters
+    cannot tell (a foreign first entry) has no messages-held sample rather than its entries."""
+    broker.create_topic("bt", partitions=2, entry_format="batch")
+    broker.client.xadd(broker.keys.log("bt", 1), {"v": "foreign"})
+    with broker.consumer("bt", "g", start="earliest") as consumer:
+        consumer.poll(timeout=0.2)  # the group exists
+    with broker.producer(linger_ms=30_000) as producer:
+        for i in range(10):
+            producer.send_async("bt", b"m%d" % i, partition=0)
+    assert broker.client.xlen(broker.keys.log("bt", 0)) == 1
+    samples = parse(metrics.exposition(metrics.collect(broker, clients=[])))
+    at = {"topic": "bt", "partition": 0}
+    assert value(samples, "redisq_partition_messages", **at) == 10
+    assert value(samples, "redisq_messages_produced_total", **at) == 10
+    assert value(samples, "redisq_consumer_lag", **at, group="g") == 10
+    with pytest.raises(KeyError):
+        value(samples, "redisq_partition_messages", topic="bt", partition=1)
+
+
 def test_clients_are_tracked_from_their_start_until_dropped(broker: redisq.Broker) -> None:
     """The library call for those who embed redisq: producers and consumers count themselves
     into collect() with no track() call, held weakly (a dropped client leaves the metrics)."""

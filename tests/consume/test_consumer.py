@@ -264,7 +264,8 @@ def test_fenced_ack_raises_lease_lost_and_changes_nothing(broker: redisq.Broker)
 def test_lease_scripts_fence_reads_and_bump_tokens(broker: redisq.Broker) -> None:
     from redisq.consume.membership import GroupMembership
 
-    broker.create_topic("orders", partitions=1)
+    # entries as read from Redis: one per message
+    broker.create_topic("orders", partitions=1, entry_format="message")
     produce(broker, "orders", keys=1, per_key=2)
 
     def member(name: str) -> GroupMembership:

@@ -228,6 +228,38 @@ def test_stale_member_acks_are_refused_and_the_new_owner_redelivers(
             b.close()
 
 
+def test_auto_commit_leaves_a_partition_no_longer_held_alone(
+    api: Any, broker: redisq.Broker
+) -> None:
+    """A polled 0..4 and acked them; its lease then went to B. A's next poll() auto-commits
+    what it handed out: the partition is no longer held, so nothing is acked again (no refused
+    commit counted, no settle span for messages the user had acked). Mutant: the held_only
+    check in Poller._take_handed removed (the old ack goes out and is fenced)."""
+    broker.create_topic("t", partitions=1)
+    send(broker, "t", range(0, 5))
+    a = api.broker.consumer("t", "g", "z-a", lease_ttl_ms=1500, ack_interval_ms=60_000)
+    b: Any = None
+    try:
+        polled: list[redisq.Message] = []
+        wait_until(lambda: bool(polled.extend(a.poll(timeout=0.2)) or polled), what="A's poll")
+        assert values(polled) == [0, 1, 2, 3, 4]
+        assert a.ack(polled) == 5
+
+        assert broker.client.delete(broker.keys.lease("t", 0, "g")) == 1
+        b = api.broker.consumer("t", "g", "b", lease_ttl_ms=600_000)
+        wait_until(lambda: b.assignment == [0], what="B holding the lease")
+        # A finds out at its next renewal and hands the partition over (the guard: its reader
+        # and its ownership go together)
+        wait_until(lambda: ("t", 0) not in a.ownership.owned, what="A handing over")
+        refused = a.stats.fenced_commits
+        assert a.poll(timeout=0.2) == []
+        assert a.stats.fenced_commits == refused
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
 # -- the lease deadline --------------------------------------------------------------------------
 
 DEADLINE_TTL_MS = 1500
@@ -425,7 +457,7 @@ def test_retention_by_count_keeps_the_newest_and_at_most_a_node_more(kind: str) 
     ).start()
     try:
         broker = redisq.connect(server.url, namespace="retention")
-        broker.create_topic("t", retention_messages=10)
+        broker.create_topic("t", retention_messages=10, entry_format="message")  # entries
         lengths = []
         with broker.producer(max_batch_messages=5) as producer:
             for i in range(200):

@@ -1,6 +1,7 @@
 """Every code block of every page of the docs site runs as written, page by page, in order,
 against a fresh server of the page's own (tests/docblocks.py: how blocks are found, marked and
-run; the README's are run the same way by tests/docs/test_readme.py)."""
+run; the README's are run the same way by tests/docs/test_readme.py). The Spark blocks are run by
+tests/docs/test_pages_run_spark.py, a module of its own so that xdist runs it beside this one."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from tests.docblocks import (
 
 SITE = [page for page in pages() if page.parent != ROOT]
 WITH_BLOCKS = [page for page in SITE if runnable(page, spark=False)]
-WITH_SPARK = [page for page in SITE if any(b.spark for b in runnable(page, spark=True))]
 
 
 def test_blocks_are_known_and_few_are_skipped() -> None:
@@ -34,18 +34,6 @@ def test_blocks_are_known_and_few_are_skipped() -> None:
 
 @pytest.mark.parametrize("page", WITH_BLOCKS, ids=name)
 def test_page_runs_as_written(page: Path, tmp_path: Path) -> None:
-    """A page's blocks but the Spark ones (the next test) and the few skipped."""
+    """A page's blocks but the Spark ones (test_pages_run_spark.py) and the few skipped."""
     with page_environment(tmp_path) as (env, work):
         assert run_blocks(page, env, work, spark=False) >= 1
-
-
-@pytest.mark.spark
-@pytest.mark.timeout(1800)  # a Spark session, and a JVM for each `redisq audit`
-@pytest.mark.parametrize("page", WITH_SPARK, ids=name)
-def test_page_runs_as_written_with_spark(page: Path, tmp_path: Path) -> None:
-    """Every block of a page with Spark blocks, in order (one Spark session per Python block;
-    each `redisq audit` starts its own, as it does for a user)."""
-    pytest.importorskip("pyspark")
-    pytest.importorskip("pyarrow")
-    with page_environment(tmp_path) as (env, work):
-        assert run_blocks(page, env, work, spark=True) >= 2

@@ -156,7 +156,8 @@ def test_orderly_group_resumes_after_its_position_was_trimmed(rbroker: redisq.Br
         producer.flush()
     rbroker.trim("t")
     remaining = [m.value for m in rbroker.read("t", 0)]
-    assert len(remaining) == 50
+    # at least 50 (in whole entries on a batch topic), and trimmed past the group's position
+    assert len(remaining) >= 50 and remaining[0] > b"m0009", remaining[:1]
     seen2: list[bytes] = []
     with rbroker.consumer("t", "g", mode="orderly", start="earliest") as consumer:
         consumer.run(lambda m: seen2.append(m.value), idle_timeout=2.0, timeout=30)

@@ -25,6 +25,7 @@ import pytest
 
 import redisq
 import redisq.asyncio
+from redisq.model.records import decode_entries
 from tests.cluster.test_three_masters import cluster_with_replicas  # noqa: F401 - a fixture
 from tests.history.deployments import partition_away_from_registry
 from tests.replication import in_sync, wait_for
@@ -39,8 +40,9 @@ DELIVERY_TIMEOUT_MS = 1500
 
 
 def replica_values(replica: ServerProcess, key: str) -> list[bytes]:
+    """The values partition 0's stream holds on the replica (message or batch entries)."""
     with replica.client() as client:
-        return [fields[b"v"] for _, fields in client.xrange(key)]
+        return [m.value for m in decode_entries(TOPIC, 0, client.xrange(key))]
 
 
 def check(tx_id: str, messages: list[redisq.TxMessage]) -> redisq.TxState:
