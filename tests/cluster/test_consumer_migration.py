@@ -253,11 +253,13 @@ def migration_noise(records: list[logging.LogRecord]) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("entry_format", ["message", "batch"])
 @pytest.mark.parametrize("mode", ["orderly", "concurrent"])
 def test_one_member_rides_out_a_slot_migration(
     broker: redisq.Broker,
     cluster3: list[ServerProcess],
     mode: str,
+    entry_format: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A single member (nothing to rebalance) consumes while the slot of one partition migrates
@@ -265,7 +267,7 @@ def test_one_member_rides_out_a_slot_migration(
     migration makes no worker fail, no lease move and no message come twice; it logs nothing
     at WARNING or above."""
     caplog.set_level(logging.WARNING, logger="redisq")
-    broker.create_topic(KEYED_TOPIC, partitions=PARTITIONS)
+    broker.create_topic(KEYED_TOPIC, partitions=PARTITIONS, entry_format=entry_format)
     sent = produce_keyed(broker, 6000, keys=300)
     slot = broker.client.keyslot(broker.keys.log(KEYED_TOPIC, MIGRATED))
     handler = KeyOrder(sleep_every=20)
@@ -285,17 +287,19 @@ def test_one_member_rides_out_a_slot_migration(
         assert src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
 
 
+@pytest.mark.parametrize("entry_format", ["message", "batch"])
 @pytest.mark.parametrize("mode", ["orderly", "concurrent"])
 @aio
 async def test_async_one_member_rides_out_a_slot_migration(
     broker: redisq.Broker,
     cluster3: list[ServerProcess],
     mode: str,
+    entry_format: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """test_one_member_rides_out_a_slot_migration with the asyncio consumer."""
     caplog.set_level(logging.WARNING, logger="redisq")
-    broker.create_topic(KEYED_TOPIC, partitions=PARTITIONS)
+    broker.create_topic(KEYED_TOPIC, partitions=PARTITIONS, entry_format=entry_format)
     sent = produce_keyed(broker, 6000, keys=300)
     slot = broker.client.keyslot(broker.keys.log(KEYED_TOPIC, MIGRATED))
     handler = KeyOrder(sleep_every=20)

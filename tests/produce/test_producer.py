@@ -722,7 +722,9 @@ def test_lost_reply_is_answered_from_the_window(
             return lose(await real_async_read(self, node, count, deadline))
 
         monkeypatch.setattr(AsyncTransport, "read", flaky_async_read)
-    with api.broker.producer(retry_backoff_ms=1) as producer:
+    # one batch: a long linger holds the five sends until flush() (with a short one a sender
+    # could take them as two batches, and only the first reply would be lost)
+    with api.broker.producer(retry_backoff_ms=1, linger_ms=30_000) as producer:
         futures = [producer.send_async("t", f"m{i}".encode()) for i in range(5)]
         producer.flush()
     assert failures["left"] == 0, "the injection never fired"
@@ -737,7 +739,8 @@ def test_lost_reply_is_answered_from_the_window(
 
 
 def test_retention_by_count_keeps_the_newest_near_the_bound(broker: redisq.Broker) -> None:
-    broker.create_topic("t", partitions=1, retention_messages=100)
+    # message entries: trimming ~ in whole stream nodes of entries (tests/batches: batch entries)
+    broker.create_topic("t", partitions=1, retention_messages=100, entry_format="message")
     with broker.producer(max_batch_messages=50) as producer:
         send_async = producer.send_async
         futures = [send_async("t", f"v{i}") for i in range(3000)]
@@ -753,7 +756,7 @@ def test_retention_by_count_keeps_the_newest_near_the_bound(broker: redisq.Broke
 
 
 def test_retention_by_age_trims_old_entries_on_a_later_write(broker: redisq.Broker) -> None:
-    broker.create_topic("t", partitions=1, retention_ms=1000)
+    broker.create_topic("t", partitions=1, retention_ms=1000, entry_format="message")
     with broker.producer(max_batch_messages=100) as producer:
         old = [producer.send_async("t", f"old{i}") for i in range(1000)]
         producer.flush()
