@@ -40,7 +40,7 @@ from redisq.model.records import (
 from redisq.model.stats import ConsumerStats
 from redisq.protocol import group as calls
 from redisq.protocol.group import Commit, Lease
-from redisq.protocol.redirect import REDIRECT_BUDGET_S, asking_batch, asking_replies, redirection
+from redisq.protocol.redirect import REDIRECT_BUDGET_S, FollowedBatch, redirection
 from redisq.runtime import Guard, sleep
 from redisq.server.connection import exchange, is_cluster
 from redisq.settings import ConsumerSettings
@@ -99,36 +99,33 @@ class PartitionIO:
         self, key: str, commands: list[tuple[Any, ...]], *, follow: bool = True
     ) -> list[Any]:
         """Send commands in one write on a pooled connection of the node serving `key` and read
-        their raw replies (redisq.server.connection.exchange). On a cluster, a batch that
-        met a redirection (ASK, MOVED, TRYAGAIN, CLUSTERDOWN: it did not run) is sent again as
-        protocol.redirect says, within its budget; follow=False for a batch that may have run
-        in part (commit_then_wait sorts that out itself)."""
+        their raw replies (redisq.server.connection.exchange). On a cluster, the commands
+        that met a redirection (ASK, MOVED, TRYAGAIN, CLUSTERDOWN: they did not run) are sent
+        again as protocol.redirect.FollowedBatch says, within its budget; follow=False for a
+        batch that may have run in part (commit_then_wait sorts that out itself)."""
         if not self._cluster:
             return exchange(self._client, None, commands)
         client = self._client
         node = client.get_node_from_key(key)
-        batch, asked, attempt = commands, False, 0
+        batch, asked, attempt = FollowedBatch(commands), False, 0
         deadline = time.monotonic() + REDIRECT_BUDGET_S
         while True:
-            replies = exchange(client, node, batch)
-            if asked:
-                replies = asking_replies(commands, replies)
-            found = redirection(replies) if follow else None
-            if found is None or time.monotonic() >= deadline:
-                return replies
+            found = batch.took(exchange(client, node, batch.to_send(asked)), asked)
+            if found is None or not follow or time.monotonic() >= deadline:
+                return batch.replies
             attempt += 1
             sleep(found.delay(attempt))
             if found.kind == "MOVED":  # handed over: the slot map is refreshed
                 client.nodes_manager.initialize()
-                node, batch, asked = client.get_node_from_key(key), commands, False
+                node, asked = client.get_node_from_key(key), False
             elif found.kind == "ASK":
                 named = client.get_node(host=found.host, port=found.port)
                 if named is None:  # a node the client does not know yet
                     client.nodes_manager.initialize()
                     named = client.get_node(host=found.host, port=found.port)
                     if named is None:
-                        return replies
-                node, batch, asked = named, asking_batch(commands), True
+                        return batch.replies
+                node, asked = named, True
 
     # -- orderly: reading by range, committing ---------------------------------------------------
     def read_range(self, reader: OrderlyPartition, count: int) -> list[Any]:

@@ -5,9 +5,13 @@ both drivers: which redirection the replies carry, what to send next, after how 
 While a partition's slot migrates, its node answers ASK for a key that has moved (the command
 did not run), TRYAGAIN for a command or transaction whose keys are split between the two nodes,
 MOVED once the slot is handed over, and CLUSTERDOWN while a node is unreachable. None of these is
-data; each means the batch did not run there (a batch's commands touch one partition's keys, so
-a redirection of one is a redirection of the read). Followed within a short budget, a migration
-costs a consumer a pause instead of a failed read, a dropped lease and redelivered messages.
+data; each means the command did not run there. A batch's commands touch one partition's keys,
+but those are several keys (the stream, a group's settled bitmaps, a lease), which move one by
+one: a batch that is not a transaction may meet a redirection in one command while the others
+ran, and only those that did not run are sent again (FollowedBatch). Sent again whole, an
+XREADGROUP that ran would run twice and the entries of its first run stay pending, never given.
+Followed within a short budget, a migration costs a consumer a pause instead of a failed read,
+a dropped lease and redelivered messages.
 """
 
 from __future__ import annotations
@@ -91,3 +95,40 @@ def asking_replies(commands: Sequence[tuple[Any, ...]], replies: Sequence[Any]) 
         return list(executed)
     error = next((r for r in replies[1:] if isinstance(r, Exception)), executed)
     return [error] * len(commands)
+
+
+def redirected(reply: Any) -> bool:
+    """Whether a command's reply (or a transaction's) is a redirection: it did not run."""
+    return redirection((reply,)) is not None
+
+
+class FollowedBatch:
+    """A batch's commands followed through redirections: what to send next (the commands whose
+    replies were redirections: all of a transaction, which runs whole or not at all), and the
+    replies so far, one per command."""
+
+    def __init__(self, commands: Sequence[tuple[Any, ...]]) -> None:
+        self.commands = list(commands)
+        self.replies: list[Any] = [None] * len(self.commands)
+        self._todo = list(range(len(self.commands)))
+        self._transaction = bool(self.commands) and self.commands[0][0] == "MULTI"
+
+    def to_send(self, asked: bool) -> list[tuple[Any, ...]]:
+        """The commands still to send (behind ASKING in one MULTI/EXEC after an ASK)."""
+        batch = [self.commands[i] for i in self._todo]
+        return asking_batch(batch) if asked else batch
+
+    def took(self, replies: Sequence[Any], asked: bool) -> Redirection | None:
+        """The raw replies to to_send(asked): kept; the first redirection among them, if any
+        (its commands are sent next)."""
+        sent = [self.commands[i] for i in self._todo]
+        if asked:
+            replies = asking_replies(sent, replies)
+        for i, reply in zip(self._todo, replies, strict=True):
+            self.replies[i] = reply
+        found = redirection(replies)
+        if found is not None and not self._transaction:
+            self._todo = [
+                i for i, reply in zip(self._todo, replies, strict=True) if redirected(reply)
+            ]
+        return found

@@ -490,3 +490,97 @@ def test_commits_land_while_the_slot_stays_migrating(
     last = broker.client.xrevrange(broker.keys.log(TOPIC, 0), count=1)[0][0]
     assert group_position(broker) == (last.decode() if isinstance(last, bytes) else last)
     assert migration_noise(caplog.records) == []
+
+
+# -- a concurrent read whose commands meet the migration apart -----------------------------------
+
+SPLIT_TOPIC = "split-read"
+
+
+class MigrateOnLastOf:
+    """A handler that puts the partition's slot MIGRATING (no key moved) when it handles the last
+    message of the first batch entry, and records every message it handles."""
+
+    def __init__(self, broker: redisq.Broker, nodes: list[ServerProcess], first: int) -> None:
+        self.values: list[bytes] = []
+        self.first = first
+        self.slot = broker.client.keyslot(broker.keys.log(SPLIT_TOPIC, 0))
+        self.source = owner_of(nodes, self.slot)
+        self.target = next(n for n in nodes if n is not self.source)
+
+    def __call__(self, message: redisq.Message) -> None:
+        self.values.append(message.value)
+        if len(self.values) == self.first:
+            with self.source.client() as src, self.target.client() as dst:
+                dst.execute_command(
+                    "CLUSTER", "SETSLOT", self.slot, "IMPORTING", node_id(self.source)
+                )
+                src.execute_command(
+                    "CLUSTER", "SETSLOT", self.slot, "MIGRATING", node_id(self.target)
+                )
+
+    def finish_migration(self, nodes: list[ServerProcess]) -> None:
+        with self.source.client() as src:
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1000)
+            if keys:
+                src.execute_command(
+                    "MIGRATE", "127.0.0.1", self.target.port, "", 0, 10_000, "KEYS", *keys
+                )
+        hand_over(nodes, self.slot, self.source, self.target)
+
+
+def split_read_topic(broker: redisq.Broker) -> list[bytes]:
+    """A topic of batch entries whose one partition holds two entries of ten messages each."""
+    broker.create_topic(SPLIT_TOPIC, partitions=1, entry_format="batch")
+    values = [b"m%d" % i for i in range(20)]
+    with broker.producer(linger_ms=30_000) as producer:
+        for half in (values[:10], values[10:]):
+            for value in half:
+                producer.send_async(SPLIT_TOPIC, value)
+            producer.flush()
+    return values
+
+
+def test_a_read_whose_settled_bitmap_write_meets_ask_gives_what_it_read(
+    broker: redisq.Broker, cluster3: list[ServerProcess]
+) -> None:
+    """A concurrent member's read is one write of XACK, the settled bitmaps' HDEL and XREADGROUP;
+    with the slot MIGRATING and the bitmap key not on the source, the HDEL meets ASK while the
+    XREADGROUP ran there. Only the HDEL is sent again: the entry the read took is given (sent
+    again whole, the XREADGROUP ran a second time and the first run's entry stayed pending,
+    never handled while the member lived: claim_idle_ms is ten minutes here)."""
+    values = split_read_topic(broker)
+    handler = MigrateOnLastOf(broker, cluster3, first=10)
+    consumer = broker.consumer(
+        SPLIT_TOPIC, group=GROUP, mode="concurrent", batch_size=1, claim_idle_ms=600_000
+    )
+    try:
+        thread = run_in_thread(consumer, handler, idle_timeout=3.0)
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        handler.finish_migration(cluster3)
+    assert handler.values == values
+
+
+@aio
+async def test_async_a_read_whose_settled_bitmap_write_meets_ask_gives_what_it_read(
+    broker: redisq.Broker, cluster3: list[ServerProcess]
+) -> None:
+    """test_a_read_whose_settled_bitmap_write_meets_ask_gives_what_it_read, asyncio consumer."""
+    values = split_read_topic(broker)
+    handler = MigrateOnLastOf(broker, cluster3, first=10)
+
+    async def handle(message: redisq.Message) -> None:
+        await asyncio.to_thread(handler, message)
+
+    url = f"redis://127.0.0.1:{cluster3[0].port}"
+    try:
+        async with await rq.connect(url, namespace=broker.namespace) as client:
+            consumer = client.consumer(
+                SPLIT_TOPIC, group=GROUP, mode="concurrent", batch_size=1, claim_idle_ms=600_000
+            )
+            await asyncio.wait_for(consumer.run(handle, idle_timeout=3.0), 60)
+    finally:
+        handler.finish_migration(cluster3)
+    assert handler.values == values
