@@ -305,14 +305,12 @@ class AsyncPartitionIO:
         """XACK what was handled and XREADGROUP from `start` in one write (BLOCK when
         waiting): the entries read, raw (for decode_entries or decode_lazily)."""
         stream = self._keys.log(*tp)
-        writes: list[tuple[Any, ...]] = []
-        if ack_ids:
-            settled = self.settling(tp).settle(ack_ids)
-            ack_ids, writes = settled.ready, self._settled_writes(tp, settled)
-        commands = calls.group_read_commands(
-            stream, self.group, self.member, count, ack_ids, block_ms, start, writes
-        )
-        return calls.group_read_entries(await self._exchange(stream, commands), start)
+        with self.settling(tp).settling(ack_ids) as settled:  # undone if the read fails
+            writes = self._settled_writes(tp, settled)
+            commands = calls.group_read_commands(
+                stream, self.group, self.member, count, settled.ready, block_ms, start, writes
+            )
+            return calls.group_read_entries(await self._exchange(stream, commands), start)
 
     def _settled_writes(self, tp: TopicPartition, settled: Settled) -> list[tuple[Any, ...]]:
         key = self._keys.settled_messages(*tp, self.group)
@@ -380,17 +378,17 @@ class AsyncPartitionIO:
         acknowledged (a batch entry's messages count as each is settled)."""
         if not ids:
             return 0
-        settled = self.settling(tp).settle(ids)
         stream = self._keys.log(*tp)
-        commands = self._settled_writes(tp, settled)
-        if settled.ready:
-            commands.insert(0, ("XACK", stream, self.group, *settled.ready))
-        if not commands:
-            return settled.messages
-        replies = await self._exchange(stream, commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        with self.settling(tp).settling(ids) as settled:  # undone if the XACK fails
+            commands = self._settled_writes(tp, settled)
+            if settled.ready:
+                commands.insert(0, ("XACK", stream, self.group, *settled.ready))
+            if not commands:
+                return settled.messages
+            replies = await self._exchange(stream, commands)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
         acked = int(replies[0]) if settled.ready else 0
         return max(0, acked - len(settled.whole)) + settled.messages
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,8 @@ class Settled:
     messages: int = 0
     whole: list[str] = field(default_factory=list)
     partial: dict[str, bytes] = field(default_factory=dict)
+    # entry ID -> (n, the offsets of it settled now): what undo() gives back
+    taken: dict[str, tuple[int, list[str]]] = field(default_factory=dict, compare=False)
 
 
 class EntrySettling:
@@ -123,6 +126,7 @@ class EntrySettling:
                     continue  # settled before (acked twice)
                 result.messages += 1
                 unsettled.discard(offset)
+                result.taken.setdefault(entry, (self._sizes[entry], []))[1].append(offset)
                 touched.add(entry)
                 if not unsettled:
                     self._drop(entry)
@@ -132,6 +136,30 @@ class EntrySettling:
             for entry in touched:
                 result.partial[entry] = self._bitmap(entry)
         return result
+
+    def undo(self, settled: Settled) -> None:
+        """A settle() whose XACK and bitmap writes did not go out (the write failed): its
+        messages are unsettled again, so that the caller's next try sends them (settled twice,
+        the second settle() would be taken for a repeat and its entry never XACKed)."""
+        with self._lock:
+            for entry, (n, offsets) in settled.taken.items():
+                unsettled = self._unsettled.get(entry)
+                if unsettled is None:
+                    unsettled = self._unsettled[entry] = set()
+                    self._sizes[entry] = n
+                unsettled.update(offsets)
+                for offset in offsets:
+                    self._entry_of[offset] = entry
+
+    @contextmanager
+    def settling(self, offsets: Iterable[str]) -> Iterator[Settled]:
+        """settle(offsets) for a block that sends what it says: undone if the block raises."""
+        settled = self.settle(offsets)
+        try:
+            yield settled
+        except BaseException:
+            self.undo(settled)
+            raise
 
     def _bitmap(self, entry: str) -> bytes:
         n = self._sizes[entry]

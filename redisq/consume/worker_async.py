@@ -571,6 +571,9 @@ class Worker:
                 self._own_pending = True
             except _NETWORK_ERRORS as exc:
                 log.warning("%s: %s/%d: %s; retrying", consumer.name, *self.tp, exc)
+                # a read whose reply was lost took its entries all the same: this member's
+                # pending entries are read again first (not left for claim_idle_ms)
+                self._own_pending = True
                 await asleep(0.2)
 
     async def _flush_group_acks(self) -> None:

@@ -61,3 +61,21 @@ def test_a_bitmap_of_another_size_is_not_trusted() -> None:
     claimer = EntrySettling()
     assert claimer.given([batch(b"5-0", 10)], {"5-0": b"\xff"}) is None
     assert claimer.settle([f"5-{i}" for i in range(9)]).ready == []
+
+
+def test_a_settle_whose_write_failed_is_sent_again_by_the_next_try() -> None:
+    """The XACK of an entry settled whole (and a partial bitmap) fails on the wire: the next try
+    with the same offsets XACKs the entry and writes the bitmap (without the undo it was taken
+    for a repeat: the entry stayed pending and came back whole, every message twice)."""
+    settling = EntrySettling()
+    settling.given([batch(b"5-0", 3), batch(b"6-0", 4)])
+    settling.settle(["5-0"])
+    offsets = ["5-1", "5-2", "6-1"]
+    try:
+        with settling.settling(offsets) as settled:
+            assert settled.ready == ["5-0"]
+            raise ConnectionError("the write was lost")
+    except ConnectionError:
+        pass
+    assert settling.settle(offsets) == Settled(["5-0"], 3, ["5-0"], {"6-0": bytes([0b01000000])})
+    assert settling.given([batch(b"6-0", 4)]) == {"6-0": bytes([0b01000000])}
