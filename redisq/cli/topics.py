@@ -48,10 +48,9 @@ def topic() -> None:
 @click.option(
     "--entry-format",
     type=click.Choice(ENTRY_FORMATS),
-    default=DEFAULT_ENTRY_FORMAT,
-    show_default=True,
-    help="message: one stream entry per message (any Redis client reads it); batch: one entry "
-    "per producer batch, each message at its own offset ms-(s+i) (DESIGN §14).",
+    help=f"batch (default: {DEFAULT_ENTRY_FORMAT}): one stream entry per producer batch, each "
+    "message at its own offset ms-(s+i) (DESIGN §14); message: one entry per message (any "
+    "Redis client reads it).",
 )
 @click.option(
     "--exist-ok",
@@ -66,7 +65,7 @@ def create(
     retention_ms: int,
     retention_messages: int,
     dedup_window_ms: int | None,
-    entry_format: str,
+    entry_format: str | None,
     exist_ok: bool,
 ) -> int:
     """Create topic NAME."""
@@ -88,12 +87,8 @@ def create(
                 "nothing changed (topic add-partitions grows it)"
             )
             return FAILED
-    shown = (
-        ""
-        if config.entry_format == DEFAULT_ENTRY_FORMAT
-        else f", entry_format={config.entry_format}"
-    )
-    say(f"topic {config.name}: {plural(config.partitions, 'partition')}{shown}")
+    shown = f"entry_format={config.entry_format}"
+    say(f"topic {config.name}: {plural(config.partitions, 'partition')}, {shown}")
     return OK
 
 

@@ -23,7 +23,7 @@ from redisq.console.context import Console
 from redisq.console.pages import form_value
 from redisq.errors import InvalidConfig
 from redisq.model.keys import validate_name
-from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS
+from redisq.model.topic import ENTRY_FORMATS
 from redisq.protocol.topics import MAX_PARTITIONS
 
 Form = list[tuple[str, str]]
@@ -72,8 +72,8 @@ def create_topic_action(console: Console, request: Request, form: Form) -> tuple
         minimum=1000,
         maximum=MAX_SETTING,
     )
-    entry_format = form_value(form, "entry_format").strip() or DEFAULT_ENTRY_FORMAT
-    if entry_format not in ENTRY_FORMATS:
+    entry_format = form_value(form, "entry_format").strip() or None
+    if entry_format is not None and entry_format not in ENTRY_FORMATS:
         raise InvalidConfig(
             f"Entry format: {entry_format!r} is not one of {', '.join(ENTRY_FORMATS)}"
         )
@@ -86,9 +86,7 @@ def create_topic_action(console: Console, request: Request, form: Form) -> tuple
         entry_format=entry_format,
     )
     plural = "s" if config.partitions != 1 else ""
-    shown = (
-        "" if config.entry_format == DEFAULT_ENTRY_FORMAT else f" ({config.entry_format} entries)"
-    )
+    shown = f" ({config.entry_format} entries)"
     return (
         f"/topics/{quote(name, safe='')}",
         "ok",

@@ -150,7 +150,7 @@ class History:
                     maxlen=self._max,
                 )
             for name, topic in snapshot.topics.items():
-                self._added[name].append((at, topic.entries_added))
+                self._added[name].append((at, topic.appended))
             for ref, group in snapshot.groups.items():
                 self._lag[ref].append((at, {p.partition: p.lag for p in group.partitions}))
             for name in set(self._added) - set(snapshot.topics):
@@ -160,7 +160,7 @@ class History:
             self.samples += 1
             self.last_error = None
         if self._store is not None:
-            samples = {_added_series(n): str(t.entries_added) for n, t in snapshot.topics.items()}
+            samples = {_added_series(n): str(t.appended) for n, t in snapshot.topics.items()}
             for (topic_name, group_name), g in snapshot.groups.items():
                 lags = {str(p.partition): p.lag for p in g.partitions}
                 encoded = json.dumps(lags, separators=(",", ":"))

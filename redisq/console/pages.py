@@ -37,7 +37,7 @@ from redisq.console.search import MAX_COUNT, SCAN_LIMIT, by_key, by_message_id, 
 from redisq.console.tail import read_tail, start_cursor
 from redisq.consume.ownership import assign_partitions
 from redisq.errors import InvalidConfig, read_reply
-from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS
+from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS, STORED_ENTRY_FORMAT
 from redisq.protocol import Command, Operation, text
 from redisq.protocol.overview import group_snapshot, topic_snapshot
 from redisq.protocol.transaction_admin import sweep_now
@@ -84,7 +84,12 @@ def overview(console: Console, request: Request) -> Response:
             "current": current,
             "spark": sparkline,
             "entry_formats": ENTRY_FORMATS,
-            "default_entry_format": DEFAULT_ENTRY_FORMAT,
+            # what create_topic gives a topic when not told (message entries on fakeredis)
+            "default_entry_format": (
+                STORED_ENTRY_FORMAT
+                if console.broker.server == "fakeredis"
+                else DEFAULT_ENTRY_FORMAT
+            ),
         },
     )
 

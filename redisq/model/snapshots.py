@@ -45,6 +45,11 @@ class PartitionSnapshot:
     counted: int | None = None
     messages: int | None = None
 
+    @property
+    def appended(self) -> int:
+        """The messages ever appended: the counters' on a batch topic, else entries_added."""
+        return self.entries_added if self.counted is None else self.counted
+
 
 @dataclass(frozen=True, slots=True)
 class TopicSnapshot:
@@ -70,6 +75,19 @@ class TopicSnapshot:
         one of them cannot tell)."""
         held = [p.messages for p in self.partitions]
         return None if None in held else sum(p or 0 for p in held)
+
+    @property
+    def held(self) -> int:
+        """The messages the partitions hold: on a batch topic what its counters say (a partition
+        that cannot tell adds its entries, at least one message each), else its length."""
+        if self.config.entry_format != "batch":
+            return self.length
+        return sum(p.length if p.messages is None else p.messages for p in self.partitions)
+
+    @property
+    def appended(self) -> int:
+        """The messages ever appended (the throughput charts' counter)."""
+        return sum(p.appended for p in self.partitions)
 
     @property
     def scheduled(self) -> int:

@@ -21,6 +21,7 @@ from redisq.model.topic import (
     DEFAULT_PRODUCER_STATE_TTL_MS,
     ENTRY_FORMATS,
     MAX_TOPIC_SETTING,
+    STORED_ENTRY_FORMAT,
     PartitionInfo,
     TopicConfig,
     TopicDescription,
@@ -61,6 +62,29 @@ def topic_config(keys: KeySpace, topic: str) -> Operation[TopicConfig]:
     return config
 
 
+def check_entry_format(entry_format: object) -> None:
+    if entry_format not in ENTRY_FORMATS:
+        raise InvalidConfig(
+            f"entry_format={entry_format!r}: one of {', '.join(map(repr, ENTRY_FORMATS))}"
+        )
+
+
+def entry_format_for(asked: str | None, fakeredis: bool) -> str:
+    """The entry format a new topic gets: the one asked for, else DEFAULT_ENTRY_FORMAT (batch
+    entries), message entries on fakeredis, which cannot hold batch entries (its Lua has no
+    `struct`, it has no XSETID): asking for them there is an InvalidConfig, before anything
+    is written."""
+    if asked is None:
+        return STORED_ENTRY_FORMAT if fakeredis else DEFAULT_ENTRY_FORMAT
+    check_entry_format(asked)
+    if asked == "batch" and fakeredis:
+        raise InvalidConfig(
+            "entry_format='batch': fakeredis cannot hold batch entries (its Lua has no struct "
+            "library); use entry_format='message' or a real Redis/Valkey server"
+        )
+    return asked
+
+
 def create_topic(
     keys: KeySpace,
     topic: str,
@@ -71,7 +95,7 @@ def create_topic(
     dedup_window_ms: int | None = None,
     producer_state_ttl_ms: int = DEFAULT_PRODUCER_STATE_TTL_MS,
     exist_ok: bool = False,
-    entry_format: str = DEFAULT_ENTRY_FORMAT,
+    entry_format: str = STORED_ENTRY_FORMAT,
 ) -> Operation[TopicConfig]:
     """Create the partition streams, then the metadata (so a topic that can be described can
     also be written). With exist_ok, an existing topic is returned as it is."""
@@ -83,10 +107,7 @@ def create_topic(
     if dedup_window_ms is None:
         dedup_window_ms = retention_ms or DEFAULT_DEDUP_WINDOW_MS
     check_int("dedup_window_ms", dedup_window_ms, 1000, MAX_TOPIC_SETTING)
-    if entry_format not in ENTRY_FORMATS:
-        raise InvalidConfig(
-            f"entry_format={entry_format!r}: one of {', '.join(map(repr, ENTRY_FORMATS))}"
-        )
+    check_entry_format(entry_format)
     existing = yield from read_config(keys, topic)
     if existing is not None:
         if exist_ok:

@@ -315,7 +315,8 @@ def _to_unresolved(keys: KeySpace, record: TxRecord) -> Operation[list[Step]]:
     were headed in their headers (redisq.tx, redisq.model.topic, redisq.consume.partition_io)."""
     assert record.group is not None
     topic = unresolved_topic(record.group)
-    config = yield from create_topic(keys, topic, 1, exist_ok=True)
+    # message entries: the half messages are copied one per entry, with their headers
+    config = yield from create_topic(keys, topic, 1, exist_ok=True, entry_format="message")
     batches = yield tx.read_batches(keys, record.tx_id)
     moved = []
     for batch in batches:
