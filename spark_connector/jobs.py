@@ -271,12 +271,15 @@ def consumer_lag(
 ) -> DataFrame:
     """Per consumer group and partition: pending (delivered, not acked), lag (not delivered
     yet) and positions, from XINFO GROUPS on each partition stream (what ordinary Redis tools
-    show). When Redis cannot tell the lag (after XDEL), it is counted with count_range.lua."""
+    show). When Redis cannot tell the lag (after XDEL), it is counted with count_range.lua.
+    On a topic of batch entries, pending, entries_read and length count stream entries (one
+    per producer batch) and lag counts messages, as describe_group tells it (DESIGN §14.6)."""
     import redisq
 
     rows: list[tuple[Any, ...]] = []
     with redisq.connect(url, namespace=namespace) as broker:
         config = broker.topic_config(topic, refresh=True)
+        lags = _message_lags(broker, topic) if config.entry_format == "batch" else {}
         for p in range(config.partitions):
             key = broker.keys.log(topic, p)
             info = broker.client.xinfo_stream(key)
@@ -286,7 +289,7 @@ def consumer_lag(
                 if group is not None and name != group:
                     continue
                 delivered = _text(g.get("last-delivered-id", b"0-0"))
-                lag = g.get("lag")
+                lag = lags.get((name, p), g.get("lag"))
                 if lag is None:
                     count, _ = broker.scripts.call(
                         "count_range",
@@ -310,6 +313,17 @@ def consumer_lag(
                     )
                 )
     return spark.createDataFrame(rows, LAG_SCHEMA).orderBy("group", "partition")
+
+
+def _message_lags(broker: Any, topic: str) -> dict[tuple[str, int], int]:
+    """(group, partition) -> the messages a group of a batch topic has still to read (groups
+    redisq knows; a Redis consumer group made by another tool keeps XINFO's entry count)."""
+    lags: dict[tuple[str, int], int] = {}
+    for _, group in broker.list_groups(topic):
+        for p in broker.describe_group(topic, group).partitions:
+            if p.lag is not None:
+                lags[(group, p.partition)] = p.lag
+    return lags
 
 
 def _text(value: Any) -> str:

@@ -207,8 +207,22 @@ def add_partitions(name: str, partitions: int) -> int:
 def trim(name: str) -> int:
     """Apply topic NAME's retention to every partition now."""
     with connect() as broker:
+        before = broker.describe_topic(name)
         removed = broker.trim(name)
-    say(f"topic {name}: {plural(removed, 'entry', 'entries')} past retention removed")
+        after = broker.describe_topic(name) if before.config.entry_format == "batch" else None
+    entries = plural(removed, "entry", "entries")
+    if after is None:
+        say(f"topic {name}: {entries} past retention removed")
+        return OK
+    # batch entries: the messages are told by the counters (trimmed before and after)
+    counts = [
+        (b.trimmed, a.trimmed) for b, a in zip(before.partitions, after.partitions, strict=False)
+    ]
+    if any(b is None or a is None for b, a in counts):
+        say(f"topic {name}: {entries} past retention removed (messages not counted)")
+        return OK
+    messages = sum((a or 0) - (b or 0) for b, a in counts)
+    say(f"topic {name}: {plural(messages, 'message')} in {entries} past retention removed")
     return OK
 
 

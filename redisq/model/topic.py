@@ -79,6 +79,16 @@ class PartitionInfo:
     # The messages it holds: its length on a topic of message entries; on a topic of batch
     # entries (length counts entries) what its counters tell (DESIGN §14.6), None if they cannot
     messages: int | None = None
+    # A topic of batch entries: the messages ever appended (its counters), None if they cannot
+    # be told; with messages, how many were trimmed away
+    counted: int | None = None
+
+    @property
+    def trimmed(self) -> int | None:
+        """The messages appended and no longer held (a batch topic; None elsewhere)."""
+        if self.counted is None or self.messages is None:
+            return None
+        return self.counted - self.messages
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,6 +191,7 @@ def describe_topic(
                 scheduled=scheduled[p],
                 next_due_ms=_first_score(firsts[p]),
                 messages=held,
+                counted=replies[3 * n + p] if batch else None,
             )
         )
     return TopicDescription(config=config, partitions=partitions)

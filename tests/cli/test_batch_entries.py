@@ -58,9 +58,13 @@ def test_create_with_an_entry_format(base: list[str], broker: redisq.Broker, cap
     assert cli.main(["topic", "create", "bt", "--entry-format", "batch", *base]) == 0
     assert capsys.readouterr().out == "topic bt: 1 partition, entry_format=batch\n"
     assert broker.topic_config("bt", refresh=True).entry_format == "batch"
-    assert cli.main(["topic", "create", "plain", "--partitions", "2", *base]) == 0
-    assert capsys.readouterr().out == "topic plain: 2 partitions\n"
+    assert cli.main(["topic", "create", "plain", "--entry-format", "message", *base]) == 0
+    assert capsys.readouterr().out == "topic plain: 1 partition, entry_format=message\n"
     assert broker.topic_config("plain", refresh=True).entry_format == "message"
+    # Not told: batch entries (the default), and it says so.
+    assert cli.main(["topic", "create", "told", "--partitions", "2", *base]) == 0
+    assert capsys.readouterr().out == "topic told: 2 partitions, entry_format=batch\n"
+    assert broker.topic_config("told", refresh=True).entry_format == "batch"
     # A bad value: a usage error naming the choices, and nothing is created.
     assert cli.main(["topic", "create", "odd", "--entry-format", "columns", *base]) == 2
     err = capsys.readouterr().err
@@ -78,7 +82,7 @@ def test_describe_names_the_format_and_counts_entries(
 ) -> None:
     broker.create_topic("bt", partitions=2, entry_format="batch")
     produce_batches(broker, "bt")
-    broker.create_topic("plain", partitions=1)
+    broker.create_topic("plain", partitions=1, entry_format="message")
     assert cli.main(["topic", "describe", "bt", *base]) == 0
     out = capsys.readouterr().out
     head, table = out.splitlines()[0], out.splitlines()[1:]
@@ -135,3 +139,16 @@ def test_consume_prints_every_message_of_each_batch(
         assert [(r["offset"], r["value"]) for r in records] == list(
             zip(offsets, VALUES, strict=True)
         )
+
+
+def test_topic_trim_says_the_messages_and_the_entries_it_removed(
+    base: list[str], broker: redisq.Broker, capsys: Any
+) -> None:
+    broker.create_topic("bt", retention_messages=SIZE, entry_format="batch")
+    produce_batches(broker, "bt")  # approximate trimming as they are written leaves them all
+    assert cli.main(["topic", "trim", "bt", *base]) == 0
+    removed = (BATCHES - 1) * SIZE
+    assert capsys.readouterr().out == (
+        f"topic bt: {removed} messages in {BATCHES - 1} entries past retention removed\n"
+    )
+    assert [m.value for m in broker.read("bt", 0)] == [v.encode() for v in VALUES[-SIZE:]]

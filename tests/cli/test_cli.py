@@ -733,7 +733,8 @@ def test_demo_passes_and_leaves_nothing(valkey_server: Any) -> None:
 def test_topic_trim_applies_retention_to_idle_partitions(
     base: list[str], broker: redisq.Broker, capsys: Any
 ) -> None:
-    broker.create_topic("t", partitions=2, retention_messages=10)
+    # message entries (tests/cli/test_batch_entries.py: batch entries)
+    broker.create_topic("t", partitions=2, retention_messages=10, entry_format="message")
     with broker.producer() as producer:
         for i in range(300):  # 150 per partition; approximate trimming leaves whole nodes
             producer.send_async("t", b"x", partition=i % 2)

@@ -112,7 +112,8 @@ def test_skew_hot_keys_and_throughput(spark: Any, spark_broker: redisq.Broker) -
 def test_consumer_lag_per_group_and_partition(spark: Any, spark_broker: redisq.Broker) -> None:
     from spark_connector import jobs
 
-    spark_broker.create_topic("lagged", partitions=2)
+    # message entries: groups made with XGROUP CREATE read entries, one per message here
+    spark_broker.create_topic("lagged", partitions=2, entry_format="message")
     produce(spark_broker, "lagged", 100)
     lengths = [spark_broker.client.xlen(spark_broker.keys.log("lagged", p)) for p in range(2)]
     for p in range(2):
@@ -134,6 +135,26 @@ def test_consumer_lag_per_group_and_partition(spark: Any, spark_broker: redisq.B
         spark, broker_url(spark_broker), spark_broker.namespace, "lagged", group="audit"
     ).collect()
     assert {r.group for r in only} == {"audit"}
+
+
+def test_consumer_lag_counts_messages_on_a_batch_topic(
+    spark: Any, spark_broker: redisq.Broker
+) -> None:
+    """A batch topic: its group's lag is the messages not read yet, not the entries (batches)."""
+    from spark_connector import jobs
+
+    spark_broker.create_topic("blag", partitions=1, entry_format="batch")
+    with spark_broker.consumer("blag", group="billing", mode="concurrent") as consumer:
+        assert consumer.poll(timeout=0.2) == []  # the group, made by redisq
+    with spark_broker.producer(linger_ms=30_000) as producer:
+        for _ in range(3):  # three batches of five
+            for i in range(5):
+                producer.send_async("blag", b"v%d" % i)
+            producer.flush()
+    rows = jobs.consumer_lag(
+        spark, broker_url(spark_broker), spark_broker.namespace, "blag"
+    ).collect()
+    assert [(r.group, r.lag, r.length) for r in rows] == [("billing", 15, 3)]
 
 
 def test_cli_audit_commands_print_tables_and_write_plots(
