@@ -767,3 +767,20 @@ def test_backoff_after_many_attempts_stays_at_its_maximum() -> None:
     for attempt in (1, 2, 64, 65, 1025, 10**6):
         assert 0.0 <= backoff.delay(attempt) <= 0.010
     assert backoff.delay(10**6) >= 0.005  # equal jitter: at least half the maximum
+
+
+def test_a_fakeredis_topic_holds_message_entries_and_refuses_batch_ones(
+    fake: redisq.Broker,
+) -> None:
+    """fakeredis cannot hold batch entries (no `struct` in its Lua, no XSETID): a topic created
+    without a format gets message entries there, and asking for batch entries is refused
+    before anything is written."""
+    assert fake.create_topic("plain").entry_format == "message"
+    with fake.producer() as producer:
+        producer.send("plain", b"x")
+    assert [m.value for m in fake.read("plain", 0)] == [b"x"]
+    before = namespace_keys(fake)
+    with pytest.raises(InvalidConfig, match="fakeredis cannot hold batch entries"):
+        fake.create_topic("packed", entry_format="batch")
+    assert namespace_keys(fake) == before
+    assert "packed" not in fake.list_topics()

@@ -79,6 +79,22 @@ class Sent:
 # -- 1. one entry per batch, in every mode --------------------------------------------------------
 
 
+def test_a_topic_created_without_a_format_holds_batch_entries(
+    api: Any, broker: redisq.Broker
+) -> None:
+    """The default format of a new topic (DESIGN §14.13): one entry per producer batch."""
+    config = api.broker.create_topic("t", 2)
+    assert config.entry_format == "batch"
+    assert broker.topic_config("t", refresh=True).entry_format == "batch"
+    with api.broker.producer(linger_ms=LONG_LINGER) as producer:
+        futures = [producer.send_async("t", b"v%d" % i, partition=1) for i in range(PER_BATCH)]
+        producer.flush()
+    assert broker.client.xlen(broker.keys.log("t", 1)) == 1
+    stored = list(broker.read("t", 1))
+    assert [m.value for m in stored] == [b"v%d" % i for i in range(PER_BATCH)]
+    assert [m.offset for m in stored] == [api.result(f).offset for f in futures]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_writes_one_entry_per_batch_at_the_answered_offsets(
     api: Any, broker: redisq.Broker, mode: str | None
