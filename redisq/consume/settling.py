@@ -203,12 +203,20 @@ class EntrySizes:
     def __init__(self) -> None:
         self._per_entry: dict[Any, float] = {}
 
-    def expect(self, tp: Any, entry_format: str) -> None:
+    def expect(self, tp: Any, entry_format: str, counts: Sequence[Any] | None = None) -> None:
         """Before a partition's first read: a topic of message entries holds one message per
-        entry (its transactions and delayed messages too), so its first read is not cut to
-        FIRST_READ_ENTRIES."""
+        entry (its transactions and delayed messages too); a topic of batch entries the
+        messages per entry its counters tell (counts: m and e of KeySpace.counts). Either way
+        its first read is not cut to FIRST_READ_ENTRIES."""
         if entry_format == "message":
             self._per_entry.setdefault(tp, 1.0)
+            return
+        try:
+            messages, entries = (int(c) for c in counts or ())
+        except (TypeError, ValueError):  # nothing counted yet, or not two numbers
+            return
+        if messages > 0 and entries > 0:
+            self._per_entry.setdefault(tp, max(1.0, messages / entries))
 
     def entries_for(self, tp: Any, count: int) -> int:
         return max(1, math.ceil(count / self._per_entry.get(tp, 1.0)))

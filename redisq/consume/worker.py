@@ -36,6 +36,7 @@ from redisq.consume.policies import (
 )
 from redisq.errors import LeaseLost, log_text
 from redisq.model.records import DECODE_CHUNK, MalformedMessage, Message
+from redisq.model.topic import TopicConfig
 from redisq.produce.transactions import RETRIABLE_ERRORS
 from redisq.protocol.group import Commit, Lease
 from redisq.runtime import Pool, call_user, sleep
@@ -86,12 +87,23 @@ class Worker:
         # concurrent: a pause stopped a read part way; its rest is pending on this member
         self._own_pending = False
 
+    def _counts(self, config: TopicConfig) -> list[Any] | None:
+        """A batch topic's partition counters (m messages in e entries, DESIGN §14.6), for the
+        size of its first read; None when they cannot be read (the first read is then cut)."""
+        if config.entry_format != "batch":
+            return None
+        broker = self.consumer.broker
+        try:
+            return list(broker.client.hmget(broker.keys.counts(*self.tp), ["m", "e"]))
+        except redis.RedisError:
+            return None
+
     def run(self) -> None:
         consumer = self.consumer
         mark_own(consumer)
         try:
             config = consumer.broker.topic_config(self.tp[0])
-            self.io.sizes.expect(self.tp, config.entry_format)
+            self.io.sizes.expect(self.tp, config.entry_format, self._counts(config))
             if self.reader is not None:
                 self._orderly(self.reader)
             else:

@@ -3,7 +3,7 @@ entries (DESIGN §14.8). No server."""
 
 from __future__ import annotations
 
-from redisq.consume.settling import EntrySettling, Settled
+from redisq.consume.settling import FIRST_READ_ENTRIES, EntrySettling, EntrySizes, Settled
 from redisq.model.batches import encode_batch
 
 
@@ -79,3 +79,17 @@ def test_a_settle_whose_write_failed_is_sent_again_by_the_next_try() -> None:
         pass
     assert settling.settle(offsets) == Settled(["5-0"], 3, ["5-0"], {"6-0": bytes([0b01000000])})
     assert settling.given([batch(b"6-0", 4)]) == {"6-0": bytes([0b01000000])}
+
+
+def test_a_first_read_is_sized_by_the_partition_counters() -> None:
+    """run()'s first read of a partition: message entries hold one message each; batch entries
+    the messages per entry the counters tell (m / e); without counters it is cut."""
+    sizes = EntrySizes()
+    sizes.expect("message-topic", "message")
+    assert sizes.entries_to_run("message-topic", 64) == 64
+    sizes.expect("batch-topic", "batch", [b"4000", b"40"])  # 100 messages per entry
+    assert sizes.entries_to_run("batch-topic", 64) == 3  # about 4 x 64 messages
+    sizes.expect("uncounted", "batch", [None, None])
+    assert sizes.entries_to_run("uncounted", 64) == FIRST_READ_ENTRIES
+    sizes.expect("single", "batch", [b"64", b"64"])  # batches of one message
+    assert sizes.entries_to_run("single", 64) == 64
