@@ -287,7 +287,7 @@ def reset(
             "position after",
             "lag before",
             "lag after",
-            "pending dropped",
+            "pending entries dropped",
         ],
     )
     say(

@@ -452,7 +452,7 @@ def reset_action(
     results = reset(console.broker, topic, group, request_)
     lines = "; ".join(
         f"p{r.partition}: {r.before or 'unread'} -> {r.after} (lag {r.lag_before} -> {r.lag_after}"
-        + (f", {r.pending_dropped} pending dropped" if r.pending_dropped else "")
+        + (f", {r.pending_dropped} pending entries dropped" if r.pending_dropped else "")
         + ")"
         for r in results
     )
