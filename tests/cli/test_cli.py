@@ -52,8 +52,14 @@ def run(
     )
 
 
-def fill(broker: redisq.Broker, topic: str, partitions: int, per_partition: int) -> None:
-    broker.create_topic(topic, partitions=partitions)
+def fill(
+    broker: redisq.Broker,
+    topic: str,
+    partitions: int,
+    per_partition: int,
+    entry_format: str | None = None,
+) -> None:
+    broker.create_topic(topic, partitions=partitions, entry_format=entry_format)
     with broker.producer() as producer:
         for i in range(partitions * per_partition):
             producer.send_async(topic, f"v{i}".encode(), partition=i % partitions)
@@ -410,7 +416,9 @@ def lags(broker: redisq.Broker, topic: str, group: str) -> list[int | None]:
 def test_reset_offsets_moves_positions_and_refuses_live_groups(
     base: list[str], broker: redisq.Broker, capsys: Any
 ) -> None:
-    fill(broker, "t", 2, 10)
+    # message entries: single-message shifts (tests/batches/test_reading.py: batch entries,
+    # where a position moves by whole batches)
+    fill(broker, "t", 2, 10, entry_format="message")
     assert len(drain(broker, "t", "g", 20)) == 20
     assert lags(broker, "t", "g") == [0, 0]
     before = [p.last_delivered for p in broker.describe_group("t", "g").partitions]
@@ -463,7 +471,7 @@ def test_reset_offsets_moves_positions_and_refuses_live_groups(
 def test_reset_offsets_drops_a_concurrent_groups_pending_entries(
     base: list[str], broker: redisq.Broker, capsys: Any
 ) -> None:
-    fill(broker, "t", 1, 10)
+    fill(broker, "t", 1, 10, entry_format="message")  # XPENDING counts entries: one per message
     with broker.consumer("t", "c", mode="concurrent", enable_auto_commit=False) as consumer:
         deadline = time.monotonic() + 10
         got: list = []  # type: ignore[type-arg]

@@ -187,7 +187,7 @@ def test_create_exist_ok_refuses_another_partition_count(
     base: list[str], broker: redisq.Broker, capsys: Any
 ) -> None:
     assert cli.main(["topic", "create", "t", "--partitions", "2", *base]) == 0
-    assert capsys.readouterr().out == "topic t: 2 partitions\n"
+    assert capsys.readouterr().out == "topic t: 2 partitions, entry_format=batch\n"
     assert cli.main(["topic", "create", "t", "--partitions", "2", "--exist-ok", *base]) == 0
     capsys.readouterr()
     assert cli.main(["topic", "create", "t", "--partitions", "5", "--exist-ok", *base]) == 1
@@ -336,7 +336,7 @@ def test_rediss_to_a_plain_port_fails_fast(valkey_server: Any, capsys: Any, targ
 
 def test_plural_forms(base: list[str], broker: redisq.Broker, capsys: Any) -> None:
     assert cli.main(["topic", "create", "t", *base]) == 0
-    assert capsys.readouterr().out == "topic t: 1 partition\n"
+    assert capsys.readouterr().out == "topic t: 1 partition, entry_format=batch\n"
     with broker.producer() as producer:
         producer.send("t", b"v")
     assert cli.main(["topic", "describe", "t", *base]) == 0
