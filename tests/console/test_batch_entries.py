@@ -188,7 +188,7 @@ def test_tail_shows_every_message_of_new_batches(local_broker: redisq.Broker) ->
 def test_topic_pages_name_the_format_and_count_entries(
     local_broker: redisq.Broker, batch_topic: list[tuple[str, str]]
 ) -> None:
-    local_broker.create_topic("plain", partitions=1)
+    local_broker.create_topic("plain", partitions=1, entry_format="message")  # the other one
     for topic in ("bt", "plain"):
         with local_broker.consumer(topic, "billing", start="earliest") as consumer:
             consumer.poll(timeout=0.2)  # the group exists; it reads nothing after this
@@ -208,8 +208,10 @@ def test_topic_pages_name_the_format_and_count_entries(
         assert '<th class="n">Messages</th>' in page
         _, _, page = client.get("/")
         rows = {r[0]: r for r in cells(page, "topics-table")}
-        assert rows["bt"][2] == f"{BATCHES} entries"
-        assert rows["plain"][2] == "0"
+        # the overview counts messages (held, then appended); the entries are named beside
+        assert rows["bt"][2:4] == [str(BATCHES * SIZE)] * 2
+        assert f'title="in {BATCHES} stream entries (one per producer batch)"' in page
+        assert rows["plain"][2:4] == ["0", "0"]
         lags = {r[0]: r[5] for r in cells(page, "groups-table")}
         assert lags == {"bt": str(BATCHES * SIZE), "plain": "0"}
         _, _, page = client.get("/topics/bt/groups/billing")
@@ -221,17 +223,31 @@ def test_create_form_chooses_the_entry_format(local_broker: redisq.Broker) -> No
     with running_console(local_broker) as base:
         client = Client(base)
         _, _, page = client.get("/")
-        assert re.search(r'<select name="entry_format"', page)
-        form = {"name": "fast", "partitions": "2", "entry_format": "batch"}
+        select = re.search(r'<select name="entry_format"[^>]*>(.*?)</select>', page, re.S)
+        assert select
+        # The default first and chosen, named for what it gives (batch entries: DESIGN §14.13)
+        options = re.findall(r'<option value="([^"]*)"( selected)?>([^<]*)</option>', select[1])
+        assert options == [
+            ("", " selected", "default (batch)"),
+            ("message", "", "message"),
+            ("batch", "", "batch"),
+        ]
+        form = {"name": "plain", "partitions": "2", "entry_format": "message"}
         status, headers, _ = client.post("/topics/create", {**form, "csrf": client.csrf("/")})
         assert status == 303
         assert notice_of(client, headers["location"]) == (
-            "ok: Created topic &#39;fast&#39; with 2 partitions (batch entries)"
+            "ok: Created topic &#39;plain&#39; with 2 partitions (message entries)"
         )
-        assert local_broker.topic_config("fast", refresh=True).entry_format == "batch"
-        form = {"name": "plain"}
-        _, headers, _ = client.post("/topics/create", {**form, "csrf": client.csrf("/")})
         assert local_broker.topic_config("plain", refresh=True).entry_format == "message"
+        form = {"name": "fast", "entry_format": "batch"}
+        _, headers, _ = client.post("/topics/create", {**form, "csrf": client.csrf("/")})
+        assert local_broker.topic_config("fast", refresh=True).entry_format == "batch"
+        form = {"name": "chosen", "entry_format": ""}  # the form's default, as a browser sends it
+        _, headers, _ = client.post("/topics/create", {**form, "csrf": client.csrf("/")})
+        assert notice_of(client, headers["location"]) == (
+            "ok: Created topic &#39;chosen&#39; with 1 partition (batch entries)"
+        )
+        assert local_broker.topic_config("chosen", refresh=True).entry_format == "batch"
         form = {"name": "odd", "entry_format": "columns"}
         _, headers, _ = client.post("/topics/create", {**form, "csrf": client.csrf("/")})
         assert "Entry format: &#39;columns&#39; is not one of message, batch" in notice_of(

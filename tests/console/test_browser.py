@@ -141,21 +141,31 @@ def shoot(page: Page, name: str, tmp_path: Path) -> None:
 def test_topic_counts_appear_and_move_live(
     page: Page, local_broker: redisq.Broker, tmp_path: Path
 ) -> None:
+    """A batch topic (the default): the pages count messages; the topic page shows the stream
+    entries (one per producer batch, as XLEN counts them) with the messages beside them."""
     local_broker.create_topic("orders", partitions=3)
     send(local_broker, "orders", 90)
+
+    def entries() -> list[int]:
+        return [local_broker.client.xlen(local_broker.keys.log("orders", p)) for p in range(3)]
+
     with console(page, local_broker, refresh_ms=300) as base:
         page.goto(base + "/")
         row = page.locator('#topics-table tr[data-topic="orders"]')
         expect(row.locator("td.messages")).to_have_text("90")
         row.get_by_role("link", name="orders").click()
-        expect(page.locator("#topic-total")).to_have_text("90")
-        for p in range(3):
-            length = local_broker.client.xlen(local_broker.keys.log("orders", p))
-            cell = page.locator(f'#partitions-table tr[data-partition="{p}"] td.messages')
-            expect(cell).to_have_text(str(length))
+        expect(page.locator("#entry-format")).to_contain_text("batch")
+        expect(page.locator("#topic-messages")).to_have_text("90")
+        expect(page.locator("#topic-total")).to_have_text(str(sum(entries())))
+        for p, length in enumerate(entries()):
+            row = page.locator(f'#partitions-table tr[data-partition="{p}"]')
+            expect(row.locator("td.messages")).to_have_text(str(length))  # entries
+            messages = len(list(local_broker.read("orders", p)))
+            expect(row.locator("td.counted")).to_have_text(str(messages))
         mark_page(page)
         send(local_broker, "orders", 30, start=90)
-        expect(page.locator("#topic-total")).to_have_text("120")
+        expect(page.locator("#topic-messages")).to_have_text("120")
+        expect(page.locator("#topic-total")).to_have_text(str(sum(entries())))
         expect(page.locator("svg.chart")).to_be_visible()  # throughput, from the samples
         assert not_reloaded(page)
         shoot(page, "topic", tmp_path)

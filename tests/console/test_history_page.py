@@ -27,8 +27,9 @@ local_broker = shared.local_broker  # the fixture, under the name the tests ask 
 def snapshot(
     at_s: float, added: dict[str, int], lags: dict[tuple[str, str], list] | None = None
 ) -> Any:
-    """What History.record reads of a namespace snapshot."""
-    topics = {name: SimpleNamespace(entries_added=n) for name, n in added.items()}
+    """What History.record reads of a namespace snapshot: each topic's messages ever appended
+    (TopicSnapshot.appended, messages on either entry format), each group's lag."""
+    topics = {name: SimpleNamespace(appended=n) for name, n in added.items()}
     groups = {
         ref: SimpleNamespace(
             partitions=[SimpleNamespace(partition=p, lag=lag) for p, lag in enumerate(values)]

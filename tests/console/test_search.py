@@ -53,13 +53,17 @@ def test_key_is_found_in_every_partition(local_broker: redisq.Broker) -> None:
         assert "stopped at the limit of 2 messages" in summary(page)
 
 
-def test_key_search_stops_at_the_scan_limit(local_broker: redisq.Broker) -> None:
-    local_broker.create_topic("orders", partitions=2)
+@pytest.mark.parametrize("entry_format", ["batch", "message"])
+def test_key_search_stops_at_the_scan_limit(local_broker: redisq.Broker, entry_format: str) -> None:
+    """The scan limit counts entries read (a batch entry, one producer batch, is one): 20
+    entries, 10 of each partition, do not reach the needle, under 15 or 45 newer entries."""
+    local_broker.create_topic("orders", partitions=2, entry_format=entry_format)
     with local_broker.producer() as producer:
         producer.send("orders", "old", key="needle", partition=0)
-        for i in range(60):
-            producer.send_async("orders", f"noise {i}", key=f"hay-{i}", partition=i % 2)
-        producer.flush()
+        for i in range(30):  # 30 batches of 3 (a flush ends each)
+            for j in range(3):
+                producer.send_async("orders", f"noise {i}.{j}", key=f"hay-{i}", partition=i % 2)
+            producer.flush()
     result = search.by_key(local_broker, "orders", b"needle", scan_limit=20)
     assert result.messages == [] and result.scanned == 20
     assert result.stopped == "the scan limit of 20 entries"

@@ -60,8 +60,13 @@ def test_tail_shows_what_comes_after_the_page_opened(local_broker: redisq.Broker
             assert cursor.split(",")[3].startswith("3:")
 
 
-def test_a_poll_is_bounded(local_broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch) -> None:
-    local_broker.create_topic("orders", partitions=2)
+@pytest.mark.parametrize("entry_format", ["batch", "message"])
+def test_a_poll_is_bounded(
+    local_broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch, entry_format: str
+) -> None:
+    """At most MAX_PER_POLL messages a poll, whatever an entry holds (a batch entry here holds
+    a producer batch of ~15), and the polls give every message once."""
+    local_broker.create_topic("orders", partitions=2, entry_format=entry_format)
     cursor = tail.start_cursor(local_broker, "orders")
     with local_broker.producer() as producer:
         for i in range(30):
@@ -81,11 +86,40 @@ def test_a_poll_is_bounded(local_broker: redisq.Broker, monkeypatch: pytest.Monk
     assert sorted(seen) == sorted(f"m{i}".encode() for i in range(30)) and batches >= 3
 
 
+def test_a_poll_stops_inside_a_batch_entry_and_the_next_goes_on_there(
+    local_broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch entry holding more messages than a poll gives is given in parts, in order: the
+    cursor the page carries names the last message given, inside the entry."""
+    local_broker.create_topic("orders", partitions=1, entry_format="batch")
+    with running_console(local_broker) as base:
+        client = Client(base)
+        _, _, page = client.get("/topics/orders/tail")
+        cursor = start_cursor(page)
+        with local_broker.producer(linger_ms=1000) as producer:
+            futures = [producer.send_async("orders", f"m{i}", partition=0) for i in range(25)]
+            producer.flush()
+        offsets = [f.result().offset for f in futures]
+        # What the test is about: one entry holds the 25 messages.
+        assert local_broker.client.xlen(local_broker.keys.log("orders", 0)) == 1
+        monkeypatch.setattr(tail, "MAX_PER_POLL", 10)
+        values, cursor, more = poll(client, "orders", cursor)
+        assert values == [f"m{i}" for i in range(10)] and more
+        assert cursor == f"0:{offsets[9]}~"  # the last message given, inside its entry
+        values, cursor, more = poll(client, "orders", cursor)
+        assert values == [f"m{i}" for i in range(10, 20)] and more
+        with local_broker.producer() as producer:
+            producer.send("orders", "later", partition=0)
+        values, cursor, more = poll(client, "orders", cursor)
+        assert values == [f"m{i}" for i in range(20, 25)] + ["later"] and not more
+        assert poll(client, "orders", cursor)[0] == []  # nothing twice
+
+
 def test_bad_cursor_and_deleted_topic_are_refused(local_broker: redisq.Broker) -> None:
     local_broker.create_topic("orders", partitions=2)
     with running_console(local_broker) as base:
         client = Client(base)
-        for cursor in ("0:nope", "7:1-0", "x:1-0", "0:1-0<script>"):
+        for cursor in ("0:nope", "7:1-0", "x:1-0", "0:1-0<script>", "0:~", "0:1-0~~"):
             status, _, body = client.get(f"/topics/orders/tail/next?cursor={cursor}&fragment=b")
             assert status == 400 and body.startswith('<p class="error"') and "<script>" not in body
         local_broker.delete_topic("orders")

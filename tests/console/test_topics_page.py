@@ -32,8 +32,8 @@ def test_create_grow_delete(local_broker: redisq.Broker) -> None:
         status, headers, _ = client.post("/topics/create", form)
         assert status == 303 and headers["location"].startswith("/topics/payments?notice=")
         assert notice_of(client, headers["location"]) == (
-            "ok: Created topic &#39;payments&#39; with 3 partitions"
-        )
+            "ok: Created topic &#39;payments&#39; with 3 partitions (batch entries)"
+        )  # the format the topic got, named (batch entries, the default)
         config = local_broker.topic_config("payments", refresh=True)
         assert (config.partitions, config.retention_ms, config.dedup_window_ms) == (
             3,
