@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import redisq
+from redisq.model import batches as batches_format
 from redisq.model import records
 from redisq.model.records import MalformedMessage, Message, decode_entries_py
 
@@ -215,16 +216,22 @@ def test_no_references_leak() -> None:
     assert grown < 64 * 1024, f"{grown} bytes kept after 600 decodes of {len(entries)} entries"
 
 
-def test_what_real_servers_return_decodes_the_same(broker: redisq.Broker, server_url: str) -> None:
-    """Every layout redisq writes (each idempotence mode, keys, no keys, headers, timestamps)
-    and a foreign client's entries, read back raw from the server as the consumers read them."""
+@pytest.mark.parametrize("entry_format", ["message", "batch"])
+def test_what_real_servers_return_decodes_the_same(
+    broker: redisq.Broker, server_url: str, entry_format: str
+) -> None:
+    """Every layout redisq writes (each idempotence mode, keys, no keys, headers, timestamps; a
+    message entry each, or batch entries with and without a headers column) and a foreign
+    client's entries, read back raw from the server as the consumers read them."""
     topic = "speedups"
-    broker.create_topic(topic, partitions=1)
+    broker.create_topic(topic, partitions=1, entry_format=entry_format)
     for mode in ("sequence", "message_id", None):
         with broker.producer(idempotence=mode) as producer:
             for i in range(50):
+                if i == 25:
+                    producer.flush()  # the batches before hold no headers, some after do
                 extra: dict[str, Any] = {"message_id": f"m-{i}"} if mode == "message_id" else {}
-                if i % 5 == 1:
+                if i >= 25 and i % 5 == 1:
                     extra["headers"] = {"h": b"x"}
                 if i % 7 == 2:
                     extra["timestamp_ms"] = 1_600_000_000_000 + i
@@ -236,11 +243,21 @@ def test_what_real_servers_return_decodes_the_same(broker: redisq.Broker, server
     broker.client.xadd(stream, {b"k": b"a", b"v": b"b", b"s": b"1", b"p": b"2"})
     raw = raw_reply(broker, stream, "XRANGE", stream, "-", "+")
     parsed = broker.client.xrange(stream)  # redis-py's (id, dict) form, as Broker.read gets it
-    assert len(raw) == len(parsed) == 153
+    assert len(raw) == len(parsed) == broker.client.xlen(stream)
+    # How Redis stores them: 150 message entries, or the producers' batches (one entry each);
+    # then the 3 entries written by hand.
+    batches = [flat for _, flat in raw[:-3] if flat[0] == b"b"]
+    if entry_format == "message":
+        assert len(raw) == 153 and not batches
+    else:
+        assert len(batches) == len(raw) - 3
+        blobs = [dict(zip(flat[0::2], flat[1::2], strict=True))[b"b"] for flat in batches]
+        with_headers = [blob[1] & batches_format.HEADERS != 0 for blob in blobs]
+        assert True in with_headers and False in with_headers  # the Python and the C path
     for entries in (raw, parsed):
         decoded = same(topic, 0, entries)
         assert sum(t is MalformedMessage for t, _ in decoded) == 2
-        assert sum(t is Message for t, _ in decoded) == 151
+        assert sum(t is Message for t, _ in decoded) == 151  # 150 produced, 1 foreign
 
 
 def raw_reply(broker: redisq.Broker, key: str, *command: Any) -> Any:

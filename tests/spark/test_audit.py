@@ -39,7 +39,9 @@ def test_duplicates_without_sequences_are_found_by_content(
 ) -> None:
     from spark_connector import content_audit
 
-    spark_broker.create_topic("dup", partitions=3)
+    # Faults made by hand on stream entries (a plain XADD of an entry's v/k fields): one entry a
+    # message. On batch entries: tests/spark/test_batch_source.py::test_audits_count_messages_...
+    spark_broker.create_topic("dup", partitions=3, entry_format="message")
     produce(spark_broker, "dup", 300, keys=7)
     assert content_audit.run(topic_df(spark, spark_broker, "dup")).clean
     copy_entries(spark_broker, "dup", 1, 5)
@@ -57,7 +59,9 @@ def test_against_a_source_table_finds_missing_and_duplicated_rows(
 ) -> None:
     from spark_connector import content_audit
 
-    spark_broker.create_topic("copy", partitions=4)
+    # Faults made by hand on stream entries (XDEL of single messages found by their raw k field,
+    # plain XADD copies): one entry a message.
+    spark_broker.create_topic("copy", partitions=4, entry_format="message")
     rows = [(f"k{i % 9}", f"value-{i}") for i in range(400)]
     source = spark.createDataFrame(rows, "key string, value string")
     source.write.format("redisq").option("url", broker_url(spark_broker)).option(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import redisq  # noqa: E402  (after the importorskip in tests/spark/fixtures.py)
+from spark_connector.offsets import next_id
 from tests.spark.fixtures import produce, reader, spark, spark_broker, stream_reader  # noqa: F401
 
 pytestmark = pytest.mark.spark
@@ -229,12 +230,12 @@ def test_available_now_reads_what_exists_and_stops(
     assert sum(len(rows) for rows in seen.values()) == 45
 
 
+@pytest.mark.parametrize("entry_format", ["message", "batch"])
 def test_fail_on_data_loss_after_retention_trimmed_past_the_start(
-    spark: Any, spark_broker: redisq.Broker, tmp_path: Path
+    spark: Any, spark_broker: redisq.Broker, tmp_path: Path, entry_format: str
 ) -> None:
-    spark_broker.create_topic("loss", partitions=1)
+    spark_broker.create_topic("loss", partitions=1, entry_format=entry_format)
     produce(spark_broker, "loss", 50)
-    offsets = [m.offset for m in spark_broker.read("loss", 0)]
     checkpoint = tmp_path / "cp"
     seen: dict[int, list[tuple[int, str]]] = {}
     query = run_stream(
@@ -245,13 +246,20 @@ def test_fail_on_data_loss_after_retention_trimmed_past_the_start(
 
     produce(spark_broker, "loss", 50, start=50)
     offsets = [m.offset for m in spark_broker.read("loss", 0)]
-    # Retention removes at least 30 unread messages. The cut is placed inside a millisecond
-    # (see StreamState.lost_from: a cut exactly at a millisecond boundary is not detectable).
-    cut = next(i for i in range(80, 100) if not offsets[i].endswith("-0"))
-    spark_broker.client.xtrim(
-        spark_broker.keys.log("loss", 0), minid=offsets[cut], approximate=False
-    )
-    kept_count = 100 - cut
+    if entry_format == "message":
+        # Retention removes at least 30 unread messages. The cut is placed inside a millisecond
+        # (see StreamState.lost_from: a cut exactly at a millisecond boundary is not
+        # detectable), which needs one entry a message: several entries in a millisecond.
+        cut = next(i for i in range(80, 100) if not offsets[i].endswith("-0"))
+        minid = offsets[cut]
+    else:
+        # Retention trims whole entries, and a batch entry mostly opens its millisecond (ID
+        # ms-0), a cut lost_from cannot tell: here it removed every unread message.
+        cut = 100
+        minid = next_id(offsets[-1])
+    spark_broker.client.xtrim(spark_broker.keys.log("loss", 0), minid=minid, approximate=False)
+    kept_offsets = [m.offset for m in spark_broker.read("loss", 0)]
+    assert kept_offsets == offsets[cut:]
     query = run_stream(spark, spark_broker, checkpoint, seen, subscribe="loss")
     with pytest.raises(Exception, match="DataLossError"):
         query.awaitTermination(120)
@@ -262,7 +270,7 @@ def test_fail_on_data_loss_after_retention_trimmed_past_the_start(
     )
     query.awaitTermination(120)
     assert query.exception() is None
-    assert sum(len(r) for r in seen.values()) == kept_count
+    assert sorted(offset for rows in seen.values() for _, offset in rows) == sorted(kept_offsets)
 
     # A batch read from an explicit offset that retention removed fails the same way.
     start = json.dumps({"loss": {"0": offsets[0]}})
@@ -271,4 +279,4 @@ def test_fail_on_data_loss_after_retention_trimmed_past_the_start(
     kept = reader(
         spark, spark_broker, subscribe="loss", startingOffsets=start, failOnDataLoss=False
     )
-    assert kept.count() == kept_count
+    assert kept.count() == len(kept_offsets)
