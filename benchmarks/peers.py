@@ -380,14 +380,14 @@ class RedisSide:
             raise RuntimeError(f"{mode} run(): handled {handled:,} of {n:,}")
         return n / (finished[0] - start), check.verdict(n), extra
 
-    def redisq_consume_async(self) -> tuple[float, str]:
+    def redisq_consume_async(self, entry_format: str) -> tuple[float, str]:
         """redisq.asyncio's orderly group through run(async handler), as RabbitMQ's consumer is
         asyncio: a topic of its own, filled (untimed) as the 4-partition sequence variant."""
         import redisq.asyncio as rq
 
         work, n = self.work, self.work.n
         topic = f"t-{uuid.uuid4().hex[:8]}"
-        self.broker.create_topic(topic, partitions=PARTITIONS)
+        self.broker.create_topic(topic, partitions=PARTITIONS, entry_format=entry_format)
         with self.broker.producer() as producer:
             for key, value in zip(work.keys, work.values, strict=True):
                 producer.send_async(topic, value, key=key)
@@ -883,9 +883,8 @@ def add_redis(bench: Bench, side: RedisSide, suffix: str, formats: list[str]) ->
          lambda f: lambda: side.redisq_consume_poll(f"message_id/{f}"))  # fmt: skip
     each("consume", "redisq concurrent group, run(handler)",
          lambda f: lambda: side.redisq_consume_run(f"fill:{f}", mode="concurrent"))  # fmt: skip
-    if "message" in formats:
-        add("consume", "redisq", "redisq.asyncio orderly group, run(async handler)",
-            side.redisq_consume_async, "message")  # fmt: skip
+    each("consume", "redisq.asyncio orderly group, run(async handler)",
+         lambda f: lambda: side.redisq_consume_async(f))  # fmt: skip
 
 
 def start_valkey() -> tuple[Any, str]:
