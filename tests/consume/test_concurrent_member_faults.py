@@ -10,10 +10,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
+import redis
 
 import redisq
+from redisq.consume.partition_io import PartitionIO
+from redisq.consume.partition_io_async import AsyncPartitionIO
 from tests.conftest import wait_until
 
 
@@ -88,3 +92,54 @@ def test_concurrent_member_frozen_or_killed_with_unacked_entries(
     print(f"{fault}: stuck {stuck}, repeats {repeats}, pending at the end {pending}")
     if fault == "stop":  # the victim closed cleanly: nothing pending
         assert pending == 0
+
+
+# -- a read whose reply is lost --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry_format", ["batch", "message"])
+def test_entries_a_lost_reply_took_are_handled_without_waiting_for_a_claim(
+    api: Any, broker: redisq.Broker, monkeypatch: pytest.MonkeyPatch, entry_format: str
+) -> None:
+    """The connection drops after XREADGROUP ran: its entries are pending on this member, and
+    their reply is lost. The member reads its own pending entries again after the failed read,
+    so they are handled now, each once, not after claim_idle_ms (ten minutes here)."""
+    broker.create_topic("t", partitions=1, entry_format=entry_format)
+    values = [b"m%d" % i for i in range(20)]
+    with broker.producer(linger_ms=30_000) as producer:
+        for half in (values[:10], values[10:]):
+            for value in half:
+                producer.send_async("t", value)
+            producer.flush()
+    lost = {"left": 1}
+
+    def lose(commands: list[tuple[Any, ...]], replies: list[Any]) -> list[Any]:
+        took = commands[-1][0] == "XREADGROUP" and commands[-1][-1] == ">" and replies[-1]
+        if took and lost["left"]:
+            lost["left"] -= 1
+            raise redis.ConnectionError("injected: the reply was lost")
+        return replies
+
+    if api.name == "sync":
+        real = PartitionIO._exchange
+
+        def flaky(self: PartitionIO, key: str, commands: Any, **kw: Any) -> list[Any]:
+            return lose(commands, real(self, key, commands, **kw))
+
+        monkeypatch.setattr(PartitionIO, "_exchange", flaky)
+    else:
+        real_async = AsyncPartitionIO._exchange
+
+        async def flaky_async(
+            self: AsyncPartitionIO, key: str, commands: Any, **kw: Any
+        ) -> list[Any]:
+            return lose(commands, await real_async(self, key, commands, **kw))
+
+        monkeypatch.setattr(AsyncPartitionIO, "_exchange", flaky_async)
+    handled: list[bytes] = []
+    consumer = api.broker.consumer("t", "g", mode="concurrent", claim_idle_ms=600_000)
+    started = time.monotonic()
+    consumer.run(lambda m: handled.append(m.value), idle_timeout=3.0)
+    assert lost["left"] == 0, "the injection never fired"
+    assert sorted(handled) == sorted(values)
+    assert time.monotonic() - started < 60
