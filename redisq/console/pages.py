@@ -37,9 +37,10 @@ from redisq.console.search import MAX_COUNT, SCAN_LIMIT, by_key, by_message_id, 
 from redisq.console.tail import read_tail, start_cursor
 from redisq.consume.ownership import assign_partitions
 from redisq.errors import InvalidConfig, read_reply
-from redisq.model.topic import DEFAULT_ENTRY_FORMAT, ENTRY_FORMATS, STORED_ENTRY_FORMAT
+from redisq.model.topic import ENTRY_FORMATS
 from redisq.protocol import Command, Operation, text
 from redisq.protocol.overview import group_snapshot, topic_snapshot
+from redisq.protocol.topics import entry_format_for
 from redisq.protocol.transaction_admin import sweep_now
 from redisq.protocol.waiting import (
     scheduled_messages,
@@ -85,11 +86,7 @@ def overview(console: Console, request: Request) -> Response:
             "spark": sparkline,
             "entry_formats": ENTRY_FORMATS,
             # what create_topic gives a topic when not told (message entries on fakeredis)
-            "default_entry_format": (
-                STORED_ENTRY_FORMAT
-                if console.broker.server == "fakeredis"
-                else DEFAULT_ENTRY_FORMAT
-            ),
+            "default_entry_format": entry_format_for(None, console.broker.server == "fakeredis"),
         },
     )
 

@@ -80,8 +80,6 @@ class TopicSnapshot:
     def held(self) -> int:
         """The messages the partitions hold: on a batch topic what its counters say (a partition
         that cannot tell adds its entries, at least one message each), else its length."""
-        if self.config.entry_format != "batch":
-            return self.length
         return sum(p.length if p.messages is None else p.messages for p in self.partitions)
 
     @property
