@@ -45,12 +45,14 @@ from typing import Any
 import redis
 
 from redisq.consume.coordinator import default_member_name, mark_own
-from redisq.consume.dispatch import (
-    messages_by_partition,
-    transaction_inputs,
-)
+from redisq.consume.dispatch import OFFSET, transaction_inputs
 from redisq.consume.idempotent import IdempotentHandler
-from redisq.consume.ownership import TopicPartition, held_partition, topic_partition
+from redisq.consume.ownership import (
+    TopicPartition,
+    held_partition,
+    messages_by_partition,
+    topic_partition,
+)
 from redisq.consume.poller import Poller
 from redisq.consume.worker import Worker
 from redisq.errors import InvalidConfig, LeaseLost, check_int
@@ -205,7 +207,7 @@ class Consumer(Poller):
                 if reader is None or owned is None or owned.lost:
                     self.stats.fenced_commits += 1
                     raise LeaseLost(f"{tp[0]}/{tp[1]} is not held by {self.name}")
-                acked += reader.ack([m.offset for m in batch], now)
+                acked += reader.ack(map(OFFSET, batch), now)
                 due = reader.commit_due(now, self._ack_interval_s)
             if due:
                 self._commit(tp)

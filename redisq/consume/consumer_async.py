@@ -43,12 +43,14 @@ from typing import Any
 import redis
 
 from redisq.consume.coordinator_async import default_member_name, mark_own
-from redisq.consume.dispatch import (
-    messages_by_partition,
-    transaction_inputs,
-)
+from redisq.consume.dispatch import OFFSET, transaction_inputs
 from redisq.consume.idempotent_async import AsyncIdempotentHandler
-from redisq.consume.ownership import TopicPartition, held_partition, topic_partition
+from redisq.consume.ownership import (
+    TopicPartition,
+    held_partition,
+    messages_by_partition,
+    topic_partition,
+)
 from redisq.consume.poller_async import Poller
 from redisq.consume.worker_async import Worker
 from redisq.errors import InvalidConfig, LeaseLost, check_int
@@ -209,7 +211,7 @@ class Consumer(Poller):
                 if reader is None or owned is None or owned.lost:
                     self.stats.fenced_commits += 1
                     raise LeaseLost(f"{tp[0]}/{tp[1]} is not held by {self.name}")
-                acked += reader.ack([m.offset for m in batch], now)
+                acked += reader.ack(map(OFFSET, batch), now)
                 due = reader.commit_due(now, self._ack_interval_s)
             if due:
                 await self._commit(tp)

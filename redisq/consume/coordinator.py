@@ -36,8 +36,9 @@ import redis
 from redisq.consume.dispatch import OrderlyPartition
 from redisq.consume.membership import GroupMembership
 from redisq.consume.ownership import OwnershipCore, TopicPartition
-from redisq.consume.partition_io import PartitionIO, deserializer
+from redisq.consume.partition_io import PartitionIO
 from redisq.consume.policies import Backoff, make_policy
+from redisq.consume.reading import deserialize, deserializer
 from redisq.errors import InvalidConfig, InvalidName, LeaseLost, RedisqError, TopicNotFound
 from redisq.model.keys import dead_letter_topic, validate_name, validate_topic
 from redisq.model.records import Message
@@ -544,7 +545,7 @@ class Coordinator:
     def _deserialize(self, message: Message) -> Message:
         if self._key_decoder is None and self._value_decoder is None:
             return message
-        return self.io.deserialize(message, self._key_decoder, self._value_decoder)
+        return deserialize(message, self._key_decoder, self._value_decoder)
 
     def _maybe_start(self, tp: TopicPartition) -> None:
         if self._use == "run":

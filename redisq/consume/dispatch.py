@@ -19,12 +19,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from operator import attrgetter
 
+from redisq.consume.ownership import messages_by_partition
 from redisq.errors import AlreadyAcked, InvalidConfig, LeaseLost
 from redisq.model.offsets import offset_before, offset_parts
 from redisq.model.records import Message
 from redisq.protocol.group import Commit, Grant, Lease
 from redisq.protocol.transactions import InputPosition
+
+OFFSET = attrgetter("offset")
 
 
 class OrderlyPartition:
@@ -277,8 +281,9 @@ class OrderlyPartition:
 
     def given(self, messages: list[Message]) -> None:
         """poll() handed these to the caller (orderly: nothing more until they are acked)."""
-        self.outstanding.extend(m.offset for m in messages)
-        self.unacked.update(m.offset for m in messages)
+        offsets = list(map(OFFSET, messages))
+        self.outstanding.extend(offsets)
+        self.unacked.update(offsets)
 
     def ack(self, offsets: Iterable[str], now: float) -> int:
         """The caller acked these: the position moves over the acked prefix of what it got.
@@ -286,11 +291,15 @@ class OrderlyPartition:
         given before a seek) or acked already counts 0, as XACK counts it in concurrent mode; the
         position never moves over a message the caller was not given."""
         unacked = self.unacked
-        acked = 0
-        for offset in offsets:
-            if offset in unacked:
-                unacked.discard(offset)
-                acked += 1
+        before = len(unacked)
+        unacked.difference_update(offsets)
+        acked = before - len(unacked)
+        if not unacked and not self.held and not self.held_after and self.outstanding:
+            # all it gave was acked (ack(batch)): the position moves to the last of it at once
+            self.done = self.outstanding[-1]
+            self.done_count += len(self.outstanding)
+            self.outstanding.clear()
+            self._touch(now)
         while self.outstanding and self.outstanding[0] not in unacked:
             offset = self.outstanding.popleft()
             if offset in self.held:
@@ -551,26 +560,6 @@ def still_given(batches: list[tuple[OrderlyPartition | None, int, list[Message]]
         if reader is None or reader.moves == moves
         for message in messages
     ]
-
-
-def messages_by_partition(
-    items: Iterable[Message | Iterable[Message]],
-) -> dict[tuple[str, int], list[Message]]:
-    """What ack() or tx.ack() was given (Messages, or iterables of them) grouped by partition;
-    TypeError for anything else: an offset alone does not say its topic and partition."""
-    by_tp: dict[tuple[str, int], list[Message]] = {}
-    for item in items:
-        if isinstance(item, Message):
-            by_tp.setdefault((item.topic, item.partition), []).append(item)
-            continue
-        if isinstance(item, str | bytes) or not isinstance(item, Iterable):
-            raise TypeError(f"ack takes Messages or iterables of them, not {type(item).__name__}")
-        for message in item:
-            if not isinstance(message, Message):
-                kind = type(message).__name__
-                raise TypeError(f"ack takes Messages or iterables of them, not {kind}")
-            by_tp.setdefault((message.topic, message.partition), []).append(message)
-    return by_tp
 
 
 def transaction_inputs(

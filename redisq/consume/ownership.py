@@ -14,10 +14,12 @@ Concurrent mode holds no leases: every member reads every partition.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from redisq.errors import InvalidConfig
+from redisq.model.records import Message
 from redisq.protocol.group import Grant, Lease
 
 TopicPartition = tuple[str, int]
@@ -335,3 +337,31 @@ class OwnershipCore:
     def held(self) -> list[TopicPartition]:
         """The partitions held now and not being handed over."""
         return sorted(tp for tp, o in self.owned.items() if not (o.lost or o.revoked or o.finished))
+
+
+def messages_by_partition(
+    items: Iterable[Message | Iterable[Message]],
+) -> dict[tuple[str, int], list[Message]]:
+    """What ack() or tx.ack() was given (Messages, or iterables of them) grouped by partition;
+    TypeError for anything else: an offset alone does not say its topic and partition."""
+    by_tp: dict[tuple[str, int], list[Message]] = {}
+    for item in items:
+        if isinstance(item, Message):
+            by_tp.setdefault((item.topic, item.partition), []).append(item)
+            continue
+        if isinstance(item, str | bytes) or not isinstance(item, Iterable):
+            raise TypeError(f"ack takes Messages or iterables of them, not {type(item).__name__}")
+        batch = item if type(item) is list else list(item)
+        for kind in set(map(type, batch)):  # told apart in C: a poll() batch is thousands
+            if not issubclass(kind, Message):
+                raise TypeError(f"ack takes Messages or iterables of them, not {kind.__name__}")
+        topics, partitions = set(map(_TOPIC, batch)), set(map(_PARTITION, batch))
+        if len(topics) == 1 and len(partitions) == 1:  # one partition's: kept as it is, in order
+            by_tp.setdefault((topics.pop(), partitions.pop()), []).extend(batch)
+            continue
+        for message in batch:
+            by_tp.setdefault((message.topic, message.partition), []).append(message)
+    return by_tp
+
+
+_TOPIC, _PARTITION = attrgetter("topic"), attrgetter("partition")

@@ -9,11 +9,9 @@ dead-letter copy, and poll()'s screening of a read (malformed entries go to the 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -24,9 +22,9 @@ from redisq.consume.letters_async import AsyncDeadLetterWriter
 from redisq.consume.malformed import MalformedLog
 from redisq.consume.ownership import TopicPartition
 from redisq.consume.policies import Backoff, DeadLetter, FailurePolicy, make_policy
+from redisq.consume.reading import ReadRest, hashes, offset_entries, parked_reads
 from redisq.consume.settling import EntrySettling, EntrySizes, Settled, batch_entry_ids
 from redisq.errors import InvalidConfig, LeaseLost, PartitionOutOfRange, RedisqError, from_reply
-from redisq.model.keys import KeySpace
 from redisq.model.offsets import offset_parts
 from redisq.model.records import (
     MalformedMessage,
@@ -47,15 +45,6 @@ if TYPE_CHECKING:
     from redisq.server.handle_async import AsyncBrokerHandle as Broker
 
 log = logging.getLogger("redisq.consumer")
-
-
-def deserializer(spec: Callable[[bytes], Any] | str | None) -> Callable[[bytes], Any] | None:
-    """A key/value deserializer from its option: "json", "str", a callable, or None."""
-    if spec == "json":
-        return json.loads
-    if spec == "str":
-        return lambda raw: raw.decode()
-    return spec if callable(spec) else None
 
 
 class AsyncPartitionIO:
@@ -89,6 +78,7 @@ class AsyncPartitionIO:
         # poll() in concurrent mode: messages of entries read beyond max_messages (a batch
         # entry holds many), given by the next poll() (still pending until acked)
         self._leftover: dict[TopicPartition, list[Message]] = {}
+        self.rest = ReadRest()  # orderly poll(): the messages of a read past max_messages
         self.sizes = EntrySizes()  # entries to read for about poll()'s or run()'s messages
         self.malformed_log = MalformedLog(member)
 
@@ -467,16 +457,25 @@ class AsyncPartitionIO:
         """poll(): the next messages of a partition (orderly: held keys' messages held back;
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
-            entries = await self.read_range(reader, self.sizes.entries_for(tp, count))
-            messages = decode_entries(*tp, entries)
-            self.sizes.note(tp, entries, messages)
-            # count entries may hold more messages (batch entries): poll() gives count at most,
-            # and the next read resumes inside the entry it stopped in.
-            cut = len(messages) > count
             with guard:
-                return reader.admit_unless_moved(
-                    messages[:count] if cut else messages, time.monotonic(), moves, boundary=not cut
+                kept = self.rest.take(reader)
+            if kept is not None:
+                messages, start = kept
+            else:
+                entries = await self.read_range(reader, self.sizes.entries_for(tp, count))
+                messages, start = decode_entries(*tp, entries), 0
+                self.sizes.note(tp, entries, messages)
+            # count entries may hold more messages (batch entries): poll() gives count at most,
+            # and keeps the rest for the next poll() (read again if the position moves).
+            end = start + count
+            cut = len(messages) > end
+            with guard:
+                admitted = reader.admit_unless_moved(
+                    messages[start:end], time.monotonic(), moves, boundary=not cut
                 )
+                if cut and reader.moves == moves:
+                    self.rest.keep(reader, messages, end)
+            return admitted
         with self._guard:
             messages = self._leftover.pop(tp, [])
         if not messages:
@@ -508,7 +507,10 @@ class AsyncPartitionIO:
         given: list[Message] = []
         passed: list[str] = []
         block_at = None
-        for message in messages:
+        clean = MalformedMessage not in set(map(type, messages))  # told in C: thousands a poll
+        if clean:
+            good = given = messages
+        for message in () if clean else messages:
             if message.__class__ is not MalformedMessage:
                 good.append(message)
                 given.append(message)
@@ -539,57 +541,9 @@ class AsyncPartitionIO:
                     return []
         return good
 
-    @staticmethod
-    def deserialize(
-        message: Message,
-        key_decoder: Callable[[bytes], Any] | None,
-        value_decoder: Callable[[bytes], Any] | None,
-    ) -> Message:
-        changes: dict[str, Any] = {}
-        if key_decoder is not None and message.key is not None:
-            changes["key"] = key_decoder(message.key)
-        if value_decoder is not None:
-            changes["value"] = value_decoder(message.value)
-        return replace(message, **changes) if changes else message
-
     async def close(self) -> None:
         with self._guard:
             writers = list(self._writers.values())
         for writer in writers:
             await writer.close()
         self.malformed_log.close()
-
-
-def parked_reads(keys: KeySpace, group: str, tp: TopicPartition) -> list[tuple[str, str]]:
-    """load_parked's two reads, sent in one round trip (the keys share the partition's slot)."""
-    return [
-        ("HGETALL", keys.parked_keys(tp[0], tp[1], group)),
-        ("HGETALL", keys.held_messages(tp[0], tp[1], group)),
-    ]
-
-
-def hashes(replies: list[Any]) -> list[dict[bytes, bytes]]:
-    """Raw HGETALL replies (RESP2 flat lists or RESP3 maps) as dicts; an error reply raises."""
-    result = []
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-        result.append(
-            reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
-        )
-    return result
-
-
-def offset_entries(tp: TopicPartition, replies: list[Any], offsets: list[str]) -> list[Message]:
-    """The messages at `offsets` in fetch_offsets' replies (each the entry at or before its
-    offset: a message entry at it, a batch entry holding it, or else the offset is gone: a hole,
-    trimmed). An error reply raises: read as "no entry"
-    it made a blocked message look deleted (passed over, never handled) and a released held
-    message look trimmed, when the XRANGE was only answered ASK, MOVED or TRYAGAIN while the
-    partition's slot migrated."""
-    found: list[Message] = []
-    for offset, reply in zip(offsets, replies, strict=True):
-        if isinstance(reply, Exception):
-            raise reply
-        found += (m for m in decode_entries(tp[0], tp[1], reply) if m.offset == offset)
-    return found

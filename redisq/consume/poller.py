@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator
 import redis
 
 from redisq.consume.coordinator import Coordinator
-from redisq.consume.dispatch import OrderlyPartition, messages_by_partition, still_given
-from redisq.consume.ownership import TopicPartition
+from redisq.consume.dispatch import OrderlyPartition, still_given
+from redisq.consume.ownership import TopicPartition, messages_by_partition
 from redisq.errors import ConsumerClosed, InvalidConfig, LeaseLost, check_int
 from redisq.model.records import Message
 from redisq.runtime import sleep
@@ -126,12 +126,13 @@ class Poller(Coordinator):
         orderly partition no longer held is left out (close() may have handed it over already:
         whether the caller acked its messages is no longer known, and an ack would be refused)."""
         handed, self._handed = self._handed, []
-        by_tp = messages_by_partition(handed)
+        by_tp = messages_by_partition([handed])  # one list: grouped in C when one partition
         with self._guard:
             for tp, batch in by_tp.items():
                 reader = self._readers.get(tp)
                 if reader is not None:  # orderly: the offsets it still waits for
-                    batch[:] = [m for m in batch if m.offset in reader.unacked]
+                    unacked = reader.unacked
+                    batch[:] = [m for m in batch if m.offset in unacked] if unacked else []
                 elif held_only and self.mode == "orderly":
                     batch.clear()
         return [batch for batch in by_tp.values() if batch]
@@ -210,6 +211,8 @@ class Poller(Coordinator):
         if not result and waiting and waiting == len(tps):
             self._stalled(waiting)
         self.stats.consumed += len(result)
+        if self._key_decoder is None and self._value_decoder is None:
+            return result
         return [self._deserialize(m) for m in result]
 
     def _stalled(self, partitions: int) -> None:

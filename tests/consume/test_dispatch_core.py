@@ -14,12 +14,9 @@ from typing import Any
 import pytest
 
 from redisq.consume.chunks import admitted_chunks, lanes, lanes_end
-from redisq.consume.dispatch import (
-    OrderlyPartition,
-    messages_by_partition,
-    still_given,
-    transaction_inputs,
-)
+from redisq.consume.dispatch import OrderlyPartition, still_given, transaction_inputs
+from redisq.consume.ownership import messages_by_partition
+from redisq.consume.reading import ReadRest
 from redisq.errors import AlreadyAcked, InvalidConfig, LeaseLost
 from redisq.model.records import MalformedMessage, Message
 from redisq.protocol.group import Grant, Lease
@@ -431,10 +428,58 @@ def test_acks_are_grouped_by_partition_in_the_order_given() -> None:
     assert messages_by_partition([(m for m in [c])]) == {("t", 0): [c]}
 
 
+def test_one_partitions_list_is_kept_whole_and_a_bad_item_in_it_is_still_refused() -> None:
+    batch = [msg(f"{i}-0") for i in range(2, 6)]
+    grouped = messages_by_partition([batch])
+    assert grouped == {("t", 0): batch} and grouped[("t", 0)] is not batch  # a copy
+    other = Message("u", 0, "9-0", None, b"v")  # same partition number, another topic
+    assert messages_by_partition([[batch[0], other]]) == {("t", 0): [batch[0]], ("u", 0): [other]}
+    with pytest.raises(TypeError, match="not str"):
+        messages_by_partition([[*batch, "6-0"]])  # type: ignore[list-item]
+
+
 @pytest.mark.parametrize("item", ["2-0", b"2-0", 7, ["2-0"], [msg("2-0"), None]])
 def test_an_ack_of_anything_but_messages_is_a_type_error(item: object) -> None:
     with pytest.raises(TypeError):
         messages_by_partition([item])  # type: ignore[list-item]
+
+
+# -- poll() cut at max_messages: the rest of the read ---------------------------------------------
+def test_the_rest_of_a_cut_read_is_given_only_while_the_reader_stands_where_it_was_cut() -> None:
+    read = [msg(f"5-{i}") for i in range(6)]
+    rest = ReadRest()
+    reader = reader_at("4-0")
+    reader.given(reader.admit(read[:2], 0.0, boundary=False))
+    rest.keep(reader, read, 2)
+    reader.ack(offsets(read[:2]), 0.0)  # acks move the commit position, not the read
+    assert rest.take(reader) == (read, 2)
+    assert rest.take(reader) is None  # taken once
+    rest.keep(reader, read, 2)
+    assert rest.take(reader_at("4-0")) is None  # another grant of the partition
+    rest.keep(reader, read, 2)
+    reader.seek("5-1")  # read again from there: the rest no longer follows the position
+    assert rest.take(reader) is None
+    again = reader_at("4-0")
+    again.admit(read[:2], 0.0, boundary=False)
+    rest.keep(again, read, 2)
+    again.stopped_before("5-0", again.moves)  # the position moved without a jump
+    assert rest.take(again) is None
+
+
+def test_an_ack_of_everything_given_moves_the_position_to_its_last_and_counts_each() -> None:
+    reader = reader_at("1-0")
+    read = [msg("2-0"), msg("3-0"), msg("4-0")]
+    reader.given(reader.admit(read, 0.0))
+    assert reader.ack(["4-0", "2-0", "9-0", "2-0"], 1.0) == 2  # 9-0 not given, 2-0 twice
+    assert reader.done == "2-0"  # the acked prefix: 3-0 is still out
+    assert reader.ack(["3-0"], 2.0) == 1
+    assert (reader.done, reader.done_count, list(reader.outstanding)) == ("4-0", 3, [])
+    with_held = reader_at("1-0")
+    with_held.given(with_held.admit(read, 0.0))
+    with_held.held["3-0"] = b"a"  # given after its key was released: taken off when acked
+    with_held.ack(offsets(read), 1.0)
+    assert (with_held.done, with_held.done_count, with_held.held) == ("4-0", 2, {})
+    assert with_held.pending.unheld == ["3-0"]
 
 
 # -- transactions --------------------------------------------------------------------------------

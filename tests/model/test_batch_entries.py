@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -239,3 +241,22 @@ def test_the_c_packer_gives_the_ids_as_the_python_packer_does(layout, msgs):
     blob, ids = batches.blob_and_ids(layout, len(msgs), body)
     assert (blob, ids) == batches.blob_and_ids_py(layout, len(msgs), body)
     assert batches.resp_items(ids) == items[layout.index("m") :: len(layout)]
+
+
+@needs_c
+def test_decoded_messages_are_not_traced_by_the_cycle_collector():
+    """The C decoder's Messages (of batch and message entries) hold no container that could
+    close a cycle, so it leaves them untracked: a poll() of thousands, held while the caller
+    handles them, is not traced by every collection (1.5 us per message against 0.4)."""
+    blob = batches.encode_batch([b"v0", b"v1"], [b"k0", b"k1"], None, None)
+    entries = [(b"5-0", [b"b", blob, b"n", b"2", b"p", b"7", b"s", b"1"])]
+    entries.append((b"6-0", [b"k", b"k2", b"v", b"v2", b"p", b"7", b"s", b"3"]))
+    messages = records.decode_entries("t", 0, entries)
+    assert [(m.offset, m.key, m.value) for m in messages] == [
+        ("5-0", b"k0", b"v0"),
+        ("5-1", b"k1", b"v1"),
+        ("6-0", b"k2", b"v2"),
+    ]
+    assert not any(gc.is_tracked(m) for m in messages)
+    gc.collect()
+    assert [m.sequence for m in messages] == [1, 2, 3]
