@@ -24,6 +24,10 @@ Rows:
 - stream bytes per message: N messages (100-byte payload, 16-byte key) with
   idempotence="sequence", in batches of up to 500 messages.
 - producer state: short-lived producers, one message (one batch) each.
+- per partition: a topic of 64 empty partitions (streams, message counters); then an orderly
+  group reading them: while its member holds the partitions (leases, member registry, the
+  Redis consumer group on each stream), and what stays once it has closed. These rows sum
+  MEMORY USAGE over the namespace's keys: used_memory would count the consumer's connections.
 """
 
 from __future__ import annotations
@@ -151,6 +155,35 @@ def measure_producer_state(
     return Row("producer state per (partition, PID), one batch", producers, state, measured)
 
 
+def measure_partitions(
+    broker: redisq.Broker, partitions: int = 64, entry_format: str | None = None
+) -> list[Row]:
+    """Bytes per partition: of an empty topic, of an orderly group holding it, at rest. By
+    MEMORY USAGE of the namespace's keys (used_memory would count the consumer's connections)."""
+    topic = f"mem-parts-{uuid.uuid4().hex[:6]}"
+    before = keys_usage(broker)
+    broker.create_topic(topic, partitions=partitions, entry_format=entry_format)
+    created = keys_usage(broker)
+    measured = format_of(broker, topic)
+    with broker.consumer(topic, "g") as consumer:
+        consumer.poll(timeout=1.0)  # joined, every partition's lease taken
+        held = keys_usage(broker)
+    closed = keys_usage(broker)
+    broker.delete_topic(topic)
+    return [
+        Row("partition of an empty topic (keys)", partitions, created - before, measured),
+        Row("orderly group per partition, held by a member", partitions, held - created, measured),
+        Row("orderly group per partition, at rest", partitions, closed - created, measured),
+    ]
+
+
+def keys_usage(broker: redisq.Broker) -> int:
+    """MEMORY USAGE (SAMPLES 0: every element) summed over the broker's namespace."""
+    client = broker.client
+    keys = list(client.scan_iter(match=broker.keys.pattern(), count=1000))
+    return sum(int(client.memory_usage(key, samples=0) or 0) for key in keys)
+
+
 def measure_stream_growth(client: Any, key: str, count: int) -> int:
     """What the stream's entries but one cost (one per producer here, a batch of one message
     in either format), measured by trimming them away."""
@@ -179,6 +212,7 @@ def run(
                 measure_dedup_ids(broker, ids, entry_format),
                 measure_messages(broker, messages, entry_format),
                 measure_producer_state(broker, producers, entry_format),
+                *measure_partitions(broker, entry_format=entry_format),
             ]
             plain_client.close()
         return rows

@@ -93,20 +93,18 @@ class EntrySettling:
                         acked = acked or {}
                         acked[entry] = bytes(bits)
                     continue
-                offsets = {f"{ms}-{first + i}" for i in range(n)}
+                in_order = sorted_offsets(ms, first, n)
+                offsets = set(in_order)
                 bitmap = stored.get(entry) if stored else None
                 if bitmap and len(bitmap) == (n + 7) // 8:
-                    left = {
-                        o for i, o in enumerate(sorted_offsets(ms, first, n)) if not bit(bitmap, i)
-                    }
+                    left = {o for i, o in enumerate(in_order) if not bit(bitmap, i)}
                     if left:  # (a full bitmap was never written: its entry went with an XACK)
                         acked = acked or {}
                         acked[entry] = bytes(bitmap)
                         offsets = left
                 self._unsettled[entry] = offsets
                 self._sizes[entry] = n
-                for offset in offsets:
-                    self._entry_of[offset] = entry
+                self._entry_of.update(dict.fromkeys(offsets, entry))  # in C: n per entry
         return acked
 
     def settle(self, offsets: Iterable[str]) -> Settled:
@@ -177,8 +175,9 @@ class EntrySettling:
         del self._unsettled[entry]
         at = parse_offset(entry)
         if at is not None:
-            for i in range(n):
-                self._entry_of.pop(f"{at[0]}-{at[1] + i}", None)
+            entry_of = self._entry_of
+            for offset in sorted_offsets(at[0], at[1], n):
+                entry_of.pop(offset, None)
 
     def __len__(self) -> int:
         with self._lock:
