@@ -411,8 +411,12 @@ class Round:
                 else:
                     core.complete(batch, decode(reply))
                     progress = True
-            if durable_error is not None:
-                log.warning("%s", durable_error)
+            if durable_error is not None and str(durable_error).startswith("NOSCRIPT"):
+                # A new or restarted server: the scripts load on first use, and the round
+                # goes again (nothing lost, nothing to tell the user)
+                log.debug("the acks barrier script was not loaded yet: loading it")
+            elif durable_error is not None:
+                log.warning("acks=%s not confirmed: %s", settings.acks, durable_error)
         return progress, retry
 
 

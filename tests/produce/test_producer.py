@@ -9,6 +9,7 @@ server, through both APIs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -792,11 +793,14 @@ def test_acks_fsync_needs_waitaof_and_aof(api: Any, broker: redisq.Broker, backe
     assert snapshot(broker) == before
 
 
-def test_acks_fsync_on_valkey_with_aof() -> None:
+def test_acks_fsync_on_valkey_with_aof(caplog: pytest.LogCaptureFixture) -> None:
+    """On a fresh server (no script loaded yet) every send is confirmed, and the barrier
+    script's first NOSCRIPT, loaded and sent again, is no warning to the user."""
     server = ServerProcess(config={"appendonly": "yes", "appendfsync": "everysec"}).start()
     try:
         with redisq.connect(server.url, namespace=f"t{uuid.uuid4().hex[:8]}") as broker:
             broker.create_topic("t", partitions=2)
+            caplog.set_level(logging.WARNING, logger="redisq")
             with broker.producer(acks="fsync") as producer:
                 meta = producer.send("t", b"durable", key="k")
                 futures = [producer.send_async("t", f"v{i}", key="k") for i in range(200)]
@@ -804,6 +808,7 @@ def test_acks_fsync_on_valkey_with_aof() -> None:
             assert all(f.exception() is None for f in futures)
             values = [m.value for m in broker.read("t", meta.partition)]
             assert values == [b"durable"] + [f"v{i}".encode() for i in range(200)]
+            assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     finally:
         server.stop()
 
