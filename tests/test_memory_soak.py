@@ -152,7 +152,11 @@ def test_memory_falls_back_after_retention() -> None:
         rows = benchmark.run(server.url, ids=30_000, messages=30_000, producers=300)
         print(benchmark.render(rows, markdown=True))
         default_format = broker.describe_topic(TOPIC).config.entry_format
-        assert [row.entries.split(",")[0] for row in rows if row.entries] == [default_format] * 3
+        assert [row.entries.split(",")[0] for row in rows if row.entries] == [default_format] * 6
+        per_partition = [
+            row for row in rows if "per partition" in row.what or "partition of" in row.what
+        ]
+        assert len(per_partition) == 3 and all(row.per_item > 0 for row in per_partition)
         per_id = {row.what: row.per_item for row in rows}
         redisq_ids = next(v for k, v in per_id.items() if "redisq buckets" in k)
         plain_ids = next(v for k, v in per_id.items() if "baseline" in k)
