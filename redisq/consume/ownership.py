@@ -16,6 +16,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from operator import attrgetter
 
 from redisq.errors import InvalidConfig
@@ -355,13 +356,10 @@ def messages_by_partition(
         for kind in set(map(type, batch)):  # told apart in C: a poll() batch is thousands
             if not issubclass(kind, Message):
                 raise TypeError(f"ack takes Messages or iterables of them, not {kind.__name__}")
-        topics, partitions = set(map(_TOPIC, batch)), set(map(_PARTITION, batch))
-        if len(topics) == 1 and len(partitions) == 1:  # one partition's: kept as it is, in order
-            by_tp.setdefault((topics.pop(), partitions.pop()), []).extend(batch)
-            continue
-        for message in batch:
-            by_tp.setdefault((message.topic, message.partition), []).append(message)
+        # runs of one partition (a poll() reads partition after partition), each taken whole
+        for tp, run in groupby(batch, _TP):
+            by_tp.setdefault(tp, []).extend(run)
     return by_tp
 
 
-_TOPIC, _PARTITION = attrgetter("topic"), attrgetter("partition")
+_TP = attrgetter("topic", "partition")
