@@ -458,9 +458,10 @@ class PartitionIO:
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
             with guard:
-                kept = self.rest.take(reader)
+                kept = self.rest.take(reader, time.monotonic())
+            read_at = time.monotonic()
             if kept is not None:
-                messages, start = kept
+                messages, start, read_at = kept
             else:
                 entries = self.read_range(reader, self.sizes.entries_for(tp, count))
                 messages, start = decode_entries(*tp, entries), 0
@@ -474,7 +475,7 @@ class PartitionIO:
                     messages[start:end], time.monotonic(), moves, boundary=not cut
                 )
                 if cut and reader.moves == moves:
-                    self.rest.keep(reader, messages, end)
+                    self.rest.keep(reader, messages, end, read_at)
             return admitted
         with self._guard:
             messages = self._leftover.pop(tp, [])
@@ -547,3 +548,5 @@ class PartitionIO:
         for writer in writers:
             writer.close()
         self.malformed_log.close()
+        with self._guard:
+            self.rest.clear()

@@ -171,6 +171,22 @@ class Poller(Coordinator):
         self._poll_cursor = (self._poll_cursor + 1) % len(tps)
         tps = tps[self._poll_cursor :] + tps[: self._poll_cursor]
         batches: list[tuple[OrderlyPartition | None, int, list[Message]]] = []
+        try:
+            return self._poll_partitions(tps, batches, max_messages)
+        except BaseException:
+            # Raised (an error reply, a cancel) after earlier partitions' reads were admitted:
+            # their positions moved over messages the caller never gets; read them again.
+            with self._guard:  # not a partition whose position moved since (a hand-over)
+                kept = [m for r, moves, b in batches if r is None or r.moves == moves for m in b]
+            self._give_back(kept)
+            raise
+
+    def _poll_partitions(
+        self,
+        tps: list[TopicPartition],
+        batches: list[tuple[OrderlyPartition | None, int, list[Message]]],
+        max_messages: int,
+    ) -> list[Message]:
         taken = 0
         waiting = 0  # partitions that give nothing until what they gave is acked
         now = time.monotonic()
@@ -203,8 +219,9 @@ class Poller(Coordinator):
             except redis.RedisError as exc:
                 log.warning("%s: reading %s/%d: %s", self.name, tp[0], tp[1], exc)
                 continue
+            batches.append((reader, moves, messages))  # admitted: given back if poll() fails
             messages = self.io.screen(reader, messages, self.stats, self._guard, moves)
-            batches.append((reader, reader.moves if reader is not None else 0, messages))
+            batches[-1] = (reader, reader.moves if reader is not None else 0, messages)
             taken += len(messages)
         with self._guard:
             result = still_given(batches)

@@ -81,19 +81,35 @@ class ReadRest:
     again from its position. The caller holds the consumer's guard."""
 
     def __init__(self) -> None:
-        self._rest: dict[TopicPartition, tuple[OrderlyPartition, int, str, list[Message], int]] = {}
+        self._rest: dict[
+            TopicPartition, tuple[OrderlyPartition, int, str, list[Message], int, float]
+        ] = {}
 
-    def keep(self, reader: OrderlyPartition, messages: list[Message], start: int) -> None:
-        """messages[start:] follow the position of `reader` just admitted (inside an entry)."""
-        self._rest[reader.tp] = (reader, reader.moves, reader.read_from, messages, start)
+    def keep(
+        self, reader: OrderlyPartition, messages: list[Message], start: int, now: float
+    ) -> None:
+        """messages[start:] follow the position of `reader` just admitted (inside an entry),
+        read under the lease at `now` (monotonic)."""
+        self._rest[reader.tp] = (reader, reader.moves, reader.read_from, messages, start, now)
 
-    def take(self, reader: OrderlyPartition) -> tuple[list[Message], int] | None:
-        """(messages, start) kept for the reader's partition, or None (none kept, or the reader
-        moved since: they would not follow its position)."""
+    def take(self, reader: OrderlyPartition, now: float) -> tuple[list[Message], int, float] | None:
+        """(messages, start, read_at) kept for the reader's partition, or None: none kept, the
+        reader moved since (they would not follow its position), or the read is older than
+        REST_MAX_AGE_S (its lease check is that old: the partition is read again, fenced)."""
         kept = self._rest.pop(reader.tp, None)
         if kept is None:
             return None
-        was, moves, position, messages, start = kept
+        was, moves, position, messages, start, read_at = kept
         if was is not reader or reader.moves != moves or reader.inclusive:
             return None
-        return (messages, start) if reader.read_from == position else None
+        if now - read_at > REST_MAX_AGE_S:
+            return None
+        return (messages, start, read_at) if reader.read_from == position else None
+
+    def clear(self) -> None:
+        self._rest.clear()
+
+
+# A cut read's rest is given for this long after the read (whose fenced lease check it carries);
+# a caller slower than that gets the partition read again, under a fresh check.
+REST_MAX_AGE_S = 1.0

@@ -16,7 +16,7 @@ import pytest
 from redisq.consume.chunks import admitted_chunks, lanes, lanes_end
 from redisq.consume.dispatch import OrderlyPartition, still_given, transaction_inputs
 from redisq.consume.ownership import messages_by_partition
-from redisq.consume.reading import ReadRest
+from redisq.consume.reading import REST_MAX_AGE_S, ReadRest
 from redisq.errors import AlreadyAcked, InvalidConfig, LeaseLost
 from redisq.model.records import MalformedMessage, Message
 from redisq.protocol.group import Grant, Lease
@@ -450,20 +450,22 @@ def test_the_rest_of_a_cut_read_is_given_only_while_the_reader_stands_where_it_w
     rest = ReadRest()
     reader = reader_at("4-0")
     reader.given(reader.admit(read[:2], 0.0, boundary=False))
-    rest.keep(reader, read, 2)
+    rest.keep(reader, read, 2, 0.0)
     reader.ack(offsets(read[:2]), 0.0)  # acks move the commit position, not the read
-    assert rest.take(reader) == (read, 2)
-    assert rest.take(reader) is None  # taken once
-    rest.keep(reader, read, 2)
-    assert rest.take(reader_at("4-0")) is None  # another grant of the partition
-    rest.keep(reader, read, 2)
+    assert rest.take(reader, 0.5) == (read, 2, 0.0)
+    assert rest.take(reader, 0.5) is None  # taken once
+    rest.keep(reader, read, 2, 0.0)
+    assert rest.take(reader, REST_MAX_AGE_S + 0.1) is None  # its lease check is too old
+    rest.keep(reader, read, 2, 0.0)
+    assert rest.take(reader_at("4-0"), 0.5) is None  # another grant of the partition
+    rest.keep(reader, read, 2, 0.0)
     reader.seek("5-1")  # read again from there: the rest no longer follows the position
-    assert rest.take(reader) is None
+    assert rest.take(reader, 0.5) is None
     again = reader_at("4-0")
     again.admit(read[:2], 0.0, boundary=False)
-    rest.keep(again, read, 2)
+    rest.keep(again, read, 2, 0.0)
     again.stopped_before("5-0", again.moves)  # the position moved without a jump
-    assert rest.take(again) is None
+    assert rest.take(again, 0.5) is None
 
 
 def test_an_ack_of_everything_given_moves_the_position_to_its_last_and_counts_each() -> None:

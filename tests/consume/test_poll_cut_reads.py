@@ -1,12 +1,16 @@
 """poll(max_messages=n) on batch entries holding more than n messages, on every backend and
 through both APIs: a read of an entry is given in pieces of n, each message once and in order,
 the next pieces without reading the entry again; a seek, or another member taking the
-partition over, drops what was kept of the read, so the messages come from the new position.
+partition over, drops what was kept of the read, so the messages come from the new position;
+a poll() that fails (a value its deserializer refuses) gives back what it had read.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import pytest
 
 import redisq
 from redisq.model.records import Message
@@ -71,3 +75,30 @@ def test_the_next_owner_reads_from_the_commit_not_from_what_was_kept(
         # close() acks what the last poll() returned (auto-commit) and commits through m9
     with api.broker.consumer("t", "g", **FAST) as second:
         assert values(second.poll(timeout=10, max_messages=5)) == [f"m{i}" for i in range(10, 15)]
+
+
+def test_a_poll_that_fails_gives_back_what_it_had_read(api: Any, broker: redisq.Broker) -> None:
+    """poll() reads partition after partition, then deserializes. When that fails (a value
+    that is not JSON, in partition 1), the messages read were never returned: no position may
+    move over them. The error comes again until the caller seeks past the bad message, then
+    everything comes, from the first message on."""
+    broker.create_topic("t", partitions=2)
+    with broker.producer() as producer:
+        for i in range(5):
+            producer.send("t", json.dumps(f"m{i}"), partition=0)
+        producer.send("t", b"not json", partition=1)
+        after = producer.send("t", json.dumps("after"), partition=1)
+    options = {**FAST, "enable_auto_commit": False, "value_deserializer": "json"}
+    with api.broker.consumer("t", "g", **options) as consumer:
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                consumer.poll(timeout=5, max_messages=100)
+        consumer.seek(1, str(after.offset))
+        got: list[Message] = []
+        while len(got) < 6:
+            piece = consumer.poll(timeout=5, max_messages=100)
+            assert piece, f"only {[m.value for m in got]} came"
+            consumer.ack(piece)
+            got += piece
+        assert sorted(m.value for m in got) == sorted(["after", *(f"m{i}" for i in range(5))])
+        assert [m.value for m in got if m.partition == 0] == [f"m{i}" for i in range(5)]
