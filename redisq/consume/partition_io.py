@@ -457,12 +457,13 @@ class PartitionIO:
         """poll(): the next messages of a partition (orderly: held keys' messages held back;
         nothing when the position moved since `moves` was taken, before the read)."""
         if reader is not None:
+            now = time.monotonic()
             with guard:
-                kept = self.rest.take(reader, time.monotonic())
-            read_at = time.monotonic()
+                kept = self.rest.take(reader, now)
             if kept is not None:
                 messages, start, read_at = kept
             else:
+                read_at = now  # the fenced read below checks the lease no earlier than this
                 entries = self.read_range(reader, self.sizes.entries_for(tp, count))
                 messages, start = decode_entries(*tp, entries), 0
                 self.sizes.note(tp, entries, messages)
@@ -545,8 +546,7 @@ class PartitionIO:
     def close(self) -> None:
         with self._guard:
             writers = list(self._writers.values())
+            self.rest.clear()
         for writer in writers:
             writer.close()
         self.malformed_log.close()
-        with self._guard:
-            self.rest.clear()

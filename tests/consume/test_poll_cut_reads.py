@@ -14,6 +14,7 @@ import pytest
 
 import redisq
 from redisq.model.records import Message
+from tests.conftest import wait_until
 
 FAST = {"lease_ttl_ms": 1500, "retry_backoff_ms": 10, "max_retry_backoff_ms": 50}
 N = 50
@@ -83,13 +84,15 @@ def test_a_poll_that_fails_gives_back_what_it_had_read(api: Any, broker: redisq.
     move over them. The error comes again until the caller seeks past the bad message, then
     everything comes, from the first message on."""
     broker.create_topic("t", partitions=2)
-    with broker.producer() as producer:
-        for i in range(5):
-            producer.send("t", json.dumps(f"m{i}"), partition=0)
-        producer.send("t", b"not json", partition=1)
-        after = producer.send("t", json.dumps("after"), partition=1)
     options = {**FAST, "enable_auto_commit": False, "value_deserializer": "json"}
     with api.broker.consumer("t", "g", **options) as consumer:
+        assert consumer.poll(timeout=0) == []  # joined; both partitions held before the sends
+        wait_until(lambda: len(consumer.assignment) == 2, 10, "both partitions assigned")
+        with broker.producer() as producer:
+            for i in range(5):
+                producer.send("t", json.dumps(f"m{i}"), partition=0)
+            producer.send("t", b"not json", partition=1)
+            after = producer.send("t", json.dumps("after"), partition=1)
         for _ in range(2):
             with pytest.raises(ValueError):
                 consumer.poll(timeout=5, max_messages=100)
